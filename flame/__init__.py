@@ -1,0 +1,1 @@
+"""flame: pretraining linear-attention language models."""

@@ -1,0 +1,1 @@
+"""Triton kernels (chunked linear attention) with naive references and PyTorch CPU paths."""
