@@ -1,0 +1,430 @@
+"""One TOML file describes a run: typed sections, `--section.key=value` overrides, one-line errors.
+
+Every section is a dataclass whose fields carry their default and, in the docstring below the field, what it means.
+`load_config` checks names, types and ranges before anything touches a device or a process group; any problem
+raises `ConfigError`, which `flame.train` turns into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from flame.data.config import DataConfig
+
+
+class ConfigError(ValueError):
+    """A config problem, named by file and dotted key."""
+
+    def __init__(self, key: str, expected: str, got: Any = dataclasses.MISSING, file: str | None = None):
+        self.key, self.expected, self.got, self.file = key, expected, got, file
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        where = f"{self.file}: " if self.file else ""
+        got = "" if self.got is dataclasses.MISSING else f", got {self.got!r}"
+        return f"config error: {where}{self.key}: expected {self.expected}{got}"
+
+
+def check(ok: bool, key: str, expected: str, got: Any = dataclasses.MISSING) -> None:
+    if not ok:
+        raise ConfigError(key, expected, got)
+
+
+# ----------------------------------------------------------------------------------------------------------- sections
+@dataclass
+class JobConfig:
+    name: str = "flame"
+    """Run name (console, wandb)."""
+    dump_folder: str = "runs/flame"
+    """The run folder: resolved config, metrics.jsonl, per-rank logs, checkpoints."""
+
+    def validate(self) -> None:
+        check(bool(self.dump_folder), "job.dump_folder", "a non-empty path")
+
+
+@dataclass
+class ModelArgs:
+    """Fields every model shares; each model extends this with its own (see flame/models)."""
+
+    name: str = "transformer"
+    """Registered model name: transformer | rwkv7 | gsa | ..."""
+    vocab_size: int = 50304
+    """Embedding rows; at least the tokenizer's vocabulary (GPT-NeoX 50277, padded to a multiple of 64)."""
+
+    def validate(self) -> None:
+        check(self.vocab_size >= 2, "model.vocab_size", "an integer >= 2", self.vocab_size)
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["AdamW"] = "AdamW"
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Applied to matrix weights only; norms, biases, vectors and embeddings get none (see decay_embeddings)."""
+    decay_embeddings: bool = False
+    """Also decay embedding (and untied output) tables."""
+    fused: bool | None = None
+    """Fused AdamW kernel; None means: on GPU yes, on CPU no."""
+
+    def validate(self) -> None:
+        check(self.lr > 0, "optimizer.lr", "a number > 0", self.lr)
+        check(0 <= self.beta1 < 1, "optimizer.beta1", "a number in [0, 1)", self.beta1)
+        check(0 <= self.beta2 < 1, "optimizer.beta2", "a number in [0, 1)", self.beta2)
+        check(self.eps > 0, "optimizer.eps", "a number > 0", self.eps)
+        check(self.weight_decay >= 0, "optimizer.weight_decay", "a number >= 0", self.weight_decay)
+
+
+@dataclass
+class LRSchedulerConfig:
+    """Linear warmup, then decay (torchtitan's schedule). decay_ratio set -> warmup-stable-decay (WSD)."""
+
+    warmup_steps: int = 200
+    decay_type: Literal["linear", "cosine", "sqrt"] = "cosine"
+    decay_ratio: float | None = None
+    """Fraction of the steps spent decaying at the end; None decays right after warmup."""
+    min_lr_factor: float = 0.1
+    """The schedule ends at lr * min_lr_factor."""
+
+    def validate(self) -> None:
+        check(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", "an integer >= 0", self.warmup_steps)
+        if self.decay_ratio is not None:
+            check(0 < self.decay_ratio <= 1, "lr_scheduler.decay_ratio", "a number in (0, 1]", self.decay_ratio)
+        check(0 <= self.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "a number in [0, 1]", self.min_lr_factor)
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = 8
+    """Micro-batch size per rank (sequences)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Global batch = batch_size * this * data-parallel ranks."""
+    seq_len: int = 2048
+    steps: int = 1000
+    """Optimizer steps."""
+    max_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping (the norm is still logged)."""
+    seed: int = 42
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter dtype in forward/backward on GPU (FSDP MixedPrecisionPolicy). CPU always runs fp32."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    compile: bool = False
+    """torch.compile each block."""
+    activation_checkpoint: Literal["none", "full"] = "none"
+    """'full' recomputes every block in backward."""
+    max_consecutive_skips: int = 10
+    """Stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the fused output projection + cross entropy (bounds logits memory)."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (slower on GPU; CPU runs are deterministic anyway)."""
+
+    def validate(self) -> None:
+        for key in ("batch_size", "gradient_accumulation_steps", "seq_len", "steps", "max_consecutive_skips",
+                    "loss_chunk_size"):
+            value = getattr(self, key)
+            check(value >= 1, f"training.{key}", "an integer >= 1", value)
+        check(self.max_norm >= 0, "training.max_norm", "a number >= 0", self.max_norm)
+
+
+@dataclass
+class ParallelismConfig:
+    dp_shard: int = -1
+    """FSDP shard group size; -1 takes every rank not used by dp_replicate."""
+    dp_replicate: int = 1
+    """Replica groups (HSDP across nodes when > 1)."""
+
+    def validate(self) -> None:
+        check(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard", "-1 or an integer >= 1",
+              self.dp_shard)
+        check(self.dp_replicate >= 1, "parallelism.dp_replicate", "an integer >= 1", self.dp_replicate)
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = True
+    folder: str = "checkpoint"
+    """Inside the run folder."""
+    interval: int = 500
+    """Save every this many steps (and at the end)."""
+    keep_latest_k: int = 3
+    """Keep this many complete checkpoints; 0 keeps all."""
+    load_step: int = -1
+    """-1 resumes from the newest complete checkpoint; N from step N."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: a run folder that holds a complete checkpoint resumes from it."""
+
+    def validate(self) -> None:
+        check(self.interval >= 1, "checkpoint.interval", "an integer >= 1", self.interval)
+        check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k", "an integer >= 0", self.keep_latest_k)
+        check(self.load_step >= -1, "checkpoint.load_step", "-1 or a step >= 0", self.load_step)
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    enable_wandb: bool = False
+    wandb_project: str = "flame"
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: online when WANDB_API_KEY (or a netrc login) is set, offline otherwise."""
+    peak_tflops: float = 0.0
+    """Peak bf16 TFLOP/s of one device for MFU; 0 detects it from the GPU name (MFU is null on CPU)."""
+
+    def validate(self) -> None:
+        check(self.log_freq >= 1, "metrics.log_freq", "an integer >= 1", self.log_freq)
+        check(self.peak_tflops >= 0, "metrics.peak_tflops", "a number >= 0", self.peak_tflops)
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    """Needs data.eval_sources."""
+    freq: int = 500
+    """Evaluate every this many steps."""
+    steps: int = 20
+    """Batches per evaluation."""
+
+    def validate(self) -> None:
+        check(self.freq >= 1, "validation.freq", "an integer >= 1", self.freq)
+        check(self.steps >= 1, "validation.steps", "an integer >= 1", self.steps)
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        check(self.lr_scheduler.warmup_steps <= self.training.steps, "lr_scheduler.warmup_steps",
+              f"at most training.steps ({self.training.steps})", self.lr_scheduler.warmup_steps)
+        if self.validation.enable:
+            check(bool(self.data.eval_sources), "data.eval_sources", "at least one source when validation.enable")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------------------ parsing
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return f"a list of {_type_name(item)}"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "nothing (omit the key)", dict: "a table"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, _type_name(tp), value)
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, _type_name(tp), value)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(key, _type_name(tp), value)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, "a table", value)
+        return build_dataclass(tp, value, key)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(key, "nothing", value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict or typing.get_origin(tp) is dict:
+        if isinstance(value, dict):
+            return value
+    else:  # pragma: no cover - a field type this parser does not know is a programming error
+        raise TypeError(f"unsupported config field type {tp} for {key}")
+    raise ConfigError(key, _type_name(tp), value)
+
+
+def build_dataclass(cls: type, raw: dict, prefix: str) -> Any:
+    """Build dataclass `cls` from a TOML table; unknown keys are errors naming the valid ones."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(dotted, "a known key (one of: " + ", ".join(names) + ")", value)
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in kwargs]
+    if missing:
+        raise ConfigError(f"{prefix}.{missing[0]}" if prefix else missing[0], "a value (this key is required)")
+    return cls(**kwargs)
+
+
+def _parse_override_value(text: str) -> Any:
+    """TOML literal if it parses as one (numbers, booleans, lists, quoted strings), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`--a.b=v` and `--a.b v` -> [("a.b", v)]."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(arg, "an override of the form --section.key=value")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(arg[2:], "a value after the key")
+            key, text = arg[2:], args[i + 1]
+            i += 2
+        if "." not in key:
+            raise ConfigError(key, "section.key")
+        out.append((key, _parse_override_value(text)))
+    return out
+
+
+def _apply_override(raw: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, f"a table at '{p}'")
+    node[leaf] = value
+
+
+def config_from_dict(raw: dict) -> Config:
+    from flame.models import model_args_class  # the model's own Args dataclass, chosen by model.name
+
+    raw = dict(raw)
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for name in raw:
+        if name not in sections:
+            raise ConfigError(name, "a known section (one of: " + ", ".join(sections) + ")")
+        if not isinstance(raw[name], dict):
+            raise ConfigError(name, "a table", raw[name])
+    model_raw = raw.get("model", {})
+    name = model_raw.get("name", ModelArgs.name)
+    args_cls = model_args_class(name)
+    if args_cls is None:
+        from flame.models import known_models
+        raise ConfigError("model.name", "one of " + ", ".join(known_models()), name)
+    kwargs = {}
+    hints = typing.get_type_hints(Config)
+    for section in sections:
+        cls = args_cls if section == "model" else hints[section]
+        kwargs[section] = build_dataclass(cls, raw.get(section, {}), section)
+    cfg = Config(**kwargs)
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file, apply overrides, build and validate. Raises ConfigError naming the file."""
+    path = str(path)
+    try:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError("--config", "an existing TOML file", path) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("(syntax)", f"valid TOML ({e})") from None
+        for key, value in parse_overrides(overrides or []):
+            _apply_override(raw, key, value)
+        return config_from_dict(raw)
+    except ConfigError as e:
+        e.file = path
+        e.args = (e.line(),)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------------------ writing
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None) + " }"
+    raise TypeError(type(v))
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that load_config reads back to an equal Config (None values are omitted)."""
+    lines = []
+    for section, table in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        tables = []
+        for key, value in table.items():
+            if value is None:
+                continue
+            if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+                tables.append((key, value))
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, items in tables:
+            for item in items:
+                lines.append(f"\n[[{section}.{key}]]")
+                lines.extend(f"{k} = {_toml_value(x)}" for k, x in item.items() if x is not None)
+        lines.append("")
+    return "\n".join(lines)
