@@ -1,0 +1,132 @@
+"""RWKV-7 (generalized delta rule, diagonal-plus-rank-one transition), chunked.
+
+    o, final_state = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                                 cu_seqlens=None, backend=None)
+
+r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; w is the log decay (<= 0; computed and used in fp32). Initial and final
+states [N, H, K, V] fp32. cu_seqlens [N+1] packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU
+tensors to the PyTorch chunked path; backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU
+tensors under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.rwkv7.naive import naive_rwkv7
+from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
+from kernels.utils import as_varlen, chunk_tables, next_pow2
+
+__all__ = ["chunk_rwkv7", "naive_rwkv7", "chunk_rwkv7_torch"]
+
+CHUNK = 16
+# fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
+PREC = "tf32"
+
+
+def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
+    from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
+
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = CHUNK, max(16, next_pow2(K))
+    chunk_offsets, chunk_index, NT = chunk_tables(cu, BT)
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    W = torch.empty(1, T, H, K, **f32)
+    Uv = torch.empty(1, T, H, V, **f32)
+    Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
+    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
+                       H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))), PREC=PREC,
+                       num_warps=4)
+    h = torch.empty(NT, H, K, V, **f32)
+    U = torch.empty(1, T, H, V, **f32)
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, **f32) if want_ht else None
+    grid = lambda meta: (N, H, triton.cdiv(V, meta["BV"]))  # noqa: E731
+    _fwd_scan[grid](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale,
+                    H=H, K=K, V=V, BT=BT, BK=BK, HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC)
+    return o, ht, (h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT)
+
+
+def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
+    from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
+
+    h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT = saved
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = CHUNK, max(16, next_pow2(K))
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    dh = torch.empty(NT, H, K, V, **f32)
+    dZ = torch.empty(1, T, H, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    grid = lambda meta: (N, H, triton.cdiv(V, meta["BV"]))  # noqa: E731
+    _bwd_scan[grid](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
+                    H=H, K=K, V=V, BT=BT, BK=BK, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=PREC)
+    dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
+    dw = torch.empty_like(w)
+    dv = torch.empty_like(v)
+    _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+                        dr, dw, dk, dv, da, db, scale,
+                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))), PREC=PREC,
+                        num_warps=4)
+    return dr, dw, dk, dv, da, db, dh0
+
+
+class _ChunkRWKV7(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu):
+        o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu)
+        ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved[:-3])
+        ctx.tables = saved[-3:]
+        ctx.scale = scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
+        dr, dw, dk, dv, da, db, dh0 = _bwd(r, w, k, v, a, b, ctx.scale, h0, cu, (*saved, *ctx.tables),
+                                           do.contiguous(), None if dht is None else dht.contiguous())
+        return dr, dw, dk, dv, da, db, None, dh0, None, None
+
+
+def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens):
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+    cu = as_varlen(B, T, cu_seqlens, r.device)
+    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    # The decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels).
+    r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
+    w_ = flat(w.float())
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu)
+    return o.reshape(B, T, H, V), ht
+
+
+def chunk_rwkv7(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
+                cu_seqlens=None, backend: str | None = None):
+    """RWKV-7 over packed or batched sequences: returns (o [B, T, H, V] in v's dtype, final state or None)."""
+    if backend is None:
+        backend = "triton" if r.is_cuda and _triton_ok() else "torch"
+    if backend == "torch":
+        return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+    if backend != "triton":
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    return _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+try:
+    import triton
+except ImportError:  # the torch path needs no Triton
+    triton = None

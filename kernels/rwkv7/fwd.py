@@ -1,0 +1,169 @@
+"""Triton forward of chunked RWKV-7 (math and notation in README.md).
+
+Two launches:
+  _fwd_prep  (one program per chunk and head, all chunks at once): cumulative log decays, the pairwise chunk
+             matrices A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the state-independent W = T a~, Uv = T A_ak v;
+  _fwd_scan  (one program per sequence, head and V tile, chunks in order): U = W S + Uv, the output, the next state.
+Every exp() argument is <= 0 by construction: masked pairs are replaced by 0 before the exp and the result by 0 after.
+Inputs are packed sequences [1, T_total, H, *]; states and everything the backward reuses are fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.utils import autotune_configs
+
+
+@triton.jit
+def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    """[BT, BD] rows `tok` of head i_h from a [T, H, D] tensor, as fp32 (zeros outside the masks)."""
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
+    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def pick_row(x, rows, s):
+    """Row s of a register tile x [BT, N] as a vector [N]."""
+    return tl.sum(tl.where(rows[:, None] == s, x, 0.), axis=0)
+
+
+@triton.jit
+def pick_col(x, cols, s):
+    """Column s of a register tile x [M, BT] as a vector [M]."""
+    return tl.sum(tl.where(cols[None, :] == s, x, 0.), axis=1)
+
+
+@triton.jit
+def chunk_decays(w):
+    """Inclusive g, exclusive ge (both <= 0, non-increasing down the rows) and the chunk total gC [BK]."""
+    g = tl.cumsum(w, axis=0)
+    return g, g - w, tl.sum(w, axis=0)
+
+
+@triton.jit
+def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
+    i_n = tl.load(chunk_index + 2 * i_c)
+    i_t = tl.load(chunk_index + 2 * i_c + 1)
+    bos = tl.load(cu + i_n)
+    eos = tl.load(cu + i_n + 1)
+    return bos + i_t * BT, eos
+
+
+@triton.jit
+def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
+              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cb = tl.arange(0, BT)
+    # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
+    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
+    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
+    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+    b_a = load_rows(a, tok, i_h, H, K, ck, m_t, m_k)
+    b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
+    g, ge, gC = chunk_decays(b_w)
+
+    # Pairwise matrices, one column s at a time, each decay exp(g_t - g_s) or exp(ge_t - g_s) on its mask only.
+    A_rb = tl.zeros([BT, BT], dtype=tl.float32)
+    A_rk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_ab = tl.zeros([BT, BT], dtype=tl.float32)
+    A_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    for s in range(BT):
+        g_s = pick_row(g, rows, s)
+        b_s = pick_row(b_b, rows, s)
+        k_s = pick_row(b_k, rows, s)
+        on_i = rows[:, None] >= s
+        on_x = rows[:, None] > s
+        e_i = tl.where(on_i, tl.exp(tl.where(on_i, g - g_s[None, :], 0.)), 0.)
+        e_x = tl.where(on_x, tl.exp(tl.where(on_x, ge - g_s[None, :], 0.)), 0.)
+        re = b_r * e_i
+        ae = b_a * e_x
+        sel = cb[None, :] == s
+        A_rb = tl.where(sel, tl.sum(re * b_s[None, :], axis=1)[:, None], A_rb)
+        A_rk = tl.where(sel, tl.sum(re * k_s[None, :], axis=1)[:, None], A_rk)
+        A_ab = tl.where(sel, tl.sum(ae * b_s[None, :], axis=1)[:, None], A_ab)
+        A_ak = tl.where(sel, tl.sum(ae * k_s[None, :], axis=1)[:, None], A_ak)
+
+    # T = (I - A_ab)^{-1} by forward substitution: row i = e_i + sum_{j<i} A_ab[i, j] T[j, :].
+    T = tl.where(rows[:, None] == cb[None, :], 1., 0.)
+    for i in range(1, BT):
+        m_i = pick_row(A_ab, rows, i)
+        T = tl.where(rows[:, None] == i, T + tl.sum(m_i[:, None] * T, axis=0)[None, :], T)
+
+    store_rows(Arb, A_rb, tok, i_h, H, BT, cb, m_t, cb < BT)
+    store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
+    store_rows(Aak, A_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
+    store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
+    b_W = tl.dot(T, b_a * tl.exp(ge), input_precision=PREC)
+    store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        b_Uv = tl.dot(T, tl.dot(A_ak, b_v, input_precision=PREC), input_precision=PREC)
+        store_rows(Uv, b_Uv, tok, i_h, H, V, cv, m_t, m_v)
+
+
+@triton.autotune(
+    configs=autotune_configs(
+        [triton.Config({"BV": bv}, num_warps=nw) for bv in (32, 64) for nw in (2, 4)],
+        triton.Config({"BV": 32}, num_warps=4)),
+    key=["H", "K", "V", "BT"])
+@triton.jit
+def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
+              scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n)
+    eos = tl.load(cu + i_n + 1)
+    c0 = tl.load(chunk_offsets + i_n)
+    rows = tl.arange(0, BT)
+    cb = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cv = i_v * BV + tl.arange(0, BV)
+    m_v = cv < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    # state tile S [BK, BV], fp32 throughout
+    s_off = ck[:, None] * V + cv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
+    for i_t in range(tl.cdiv(eos - bos, BT)):
+        tok = bos + i_t * BT + rows
+        m_t = tok < eos
+        b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
+        g, ge, gC = chunk_decays(b_w)
+        to_end = tl.exp(gC[None, :] - g)
+        r_dec = load_rows(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(g)
+        b_end = load_rows(b, tok, i_h, H, K, ck, m_t, m_k) * to_end
+        k_end = load_rows(k, tok, i_h, H, K, ck, m_t, m_k) * to_end
+        b_W = load_rows(W, tok, i_h, H, K, ck, m_t, m_k)
+        b_Uv = load_rows(Uv, tok, i_h, H, V, cv, m_t, m_v)
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
+        A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
+        tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+        b_U = tl.dot(b_W, S, input_precision=PREC) + b_Uv
+        store_rows(U, b_U, tok, i_h, H, V, cv, m_t, m_v)
+        b_o = tl.dot(r_dec, S, input_precision=PREC) + tl.dot(A_rb, b_U, input_precision=PREC) \
+            + tl.dot(A_rk, b_v, input_precision=PREC)
+        store_rows(o, b_o * scale, tok, i_h, H, V, cv, m_t, m_v)
+        S = tl.exp(gC)[:, None] * S + tl.dot(tl.trans(b_end), b_U, input_precision=PREC) \
+            + tl.dot(tl.trans(k_end), b_v, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
