@@ -1,0 +1,127 @@
+"""What a log step reports: one console line, one JSON line in {dump_folder}/metrics.jsonl, wandb if enabled."""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flame.config import Config
+
+
+def peak_flops(cfg_tflops: float, device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of one device; None on CPU (no meaningful MFU there)."""
+    if cfg_tflops > 0:
+        return cfg_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    from torchtitan.tools.utils import get_peak_flops
+
+    return get_peak_flops(torch.cuda.get_device_name(device))
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process' peak RSS
+
+
+def wandb_mode(requested: str) -> str:
+    """auto -> online only when credentials exist, so a cluster without network never hangs on login."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks only keep time. Throughput counts every rank's tokens."""
+
+    def __init__(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int, device: torch.device,
+                 flops_per_token: float, wandb_id: str | None = None):
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(cfg.metrics.peak_tflops, device)
+        self.file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
+        self.wandb = None
+        self.wandb_id = wandb_id
+        if rank == 0 and cfg.metrics.enable_wandb:
+            import wandb
+
+            self.wandb_id = wandb_id or wandb.util.generate_id()
+            self.wandb = wandb.init(project=cfg.metrics.wandb_project, name=cfg.job.name, id=self.wandb_id,
+                                    resume="allow", dir=str(run_dir), config=cfg.to_dict(),
+                                    mode=wandb_mode(cfg.metrics.wandb_mode))
+        self.window_start = time.perf_counter()
+        self.window_tokens = 0
+        self.train_start = time.perf_counter()
+        self.steps_timed = 0
+
+    def count(self, global_tokens: int) -> None:
+        """Tokens (inputs, all ranks) processed by one optimizer step."""
+        self.window_tokens += global_tokens
+        self.steps_timed += 1
+
+    def log(self, step: int, values: dict) -> dict:
+        now = time.perf_counter()
+        elapsed = max(now - self.window_start, 1e-9)
+        tokens_per_sec = self.window_tokens / elapsed
+        per_device = tokens_per_sec / self.world_size
+        mfu = None if self.peak is None else 100.0 * per_device * self.flops_per_token / self.peak
+        step_time = (now - self.train_start) / max(self.steps_timed, 1)
+        record = {"step": step, **values, "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
+                  "mfu": mfu, "memory_gib": peak_memory_gib(self.device),
+                  "eta_sec": step_time * (self.cfg.training.steps - step)}
+        self.window_start, self.window_tokens = now, 0
+        if self.rank == 0:
+            self.file.write(json.dumps(record, default=_jsonable) + "\n")
+            self.file.flush()
+            print(console_line(record), flush=True)
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        return record
+
+    def log_eval(self, step: int, loss: float) -> None:
+        record = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        if self.rank == 0:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            print(f"step {step:>6} | eval loss {loss:.4f} | ppl {record['eval_ppl']:.2f}", flush=True)
+            if self.wandb is not None:
+                self.wandb.log({"eval_loss": loss, "eval_ppl": record["eval_ppl"]}, step=step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _jsonable(x):
+    return x.item() if isinstance(x, torch.Tensor) else str(x)
+
+
+def console_line(r: dict) -> str:
+    mfu = "  n/a" if r["mfu"] is None else f"{r['mfu']:5.1f}%"
+    eta = time.strftime("%H:%M:%S", time.gmtime(r["eta_sec"])) if r["eta_sec"] < 86400 else f"{r['eta_sec']/86400:.1f}d"
+    skipped = f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
+    return (f"step {r['step']:>6} | loss {r['loss']:.4f} | grad norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
+            f"{r['tokens_per_sec']:,.0f} tok/s | mfu {mfu} | mem {r['memory_gib']:.2f} GiB | eta {eta}{skipped}")
+
+
+def warn(msg: str) -> None:
+    bar = "!" * 100
+    print(f"\n{bar}\n{msg}\n{bar}\n", file=sys.stderr, flush=True)

@@ -1,0 +1,106 @@
+"""Process group, device mesh, and how a model is wrapped: activation checkpointing, compile, FSDP2 / HSDP."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from flame.config import ConfigError, ParallelismConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+    """(dp_replicate, dp_shard); every rank is a data-parallel rank."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """2-D mesh -> HSDP (replicate x shard); 1-D -> plain FSDP."""
+        return self.mesh if self.mesh.size(0) > 1 else self.mesh["dp_shard"]
+
+
+def resolve_dp_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for this world size, or ConfigError; called before the process group exists."""
+    replicate = cfg.dp_replicate
+    shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // replicate
+    if replicate * shard != world_size:
+        raise ConfigError("parallelism", f"dp_replicate * dp_shard = number of processes ({world_size})",
+                          f"{replicate} * {shard}")
+    return replicate, shard
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: ParallelismConfig) -> Dist:
+    """Join the torchrun job (or become a job of one when started without torchrun)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    world_size = int(os.environ["WORLD_SIZE"])
+    replicate, shard = resolve_dp_degrees(cfg, world_size)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=30))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+    mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return Dist(rank=dist.get_rank(), world_size=world_size, device=device, mesh=mesh)
+
+
+def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
+                compile: bool) -> nn.Module:
+    """Checkpoint, compile and shard each block of `model.layers`, then the root (torchtitan's order).
+
+    Gradients are reduced as a SUM: the loss is already divided by the global token count, so FSDP's own
+    averaging over ranks would divide a second time.
+    """
+    if activation_checkpoint == "full":
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        FullAC(FullAC.Config()).apply(model)
+    if compile:
+        for block in model.layers:
+            block.compile()
+    if d.on_gpu:
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    else:  # CPU: fp32 throughout (bf16 matmuls on CPU are slow and not what tests compare against)
+        mp = MixedPrecisionPolicy()
+    n = len(model.layers)
+    for i, block in enumerate(model.layers):
+        # the last block's parameters are needed again right away by backward: keep them gathered
+        fully_shard(block, mesh=d.fsdp_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=d.fsdp_mesh, mp_policy=mp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM, NCCL's is zero-copy
+    return model
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over every data-parallel rank (all ranks of the job)."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t

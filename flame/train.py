@@ -1,0 +1,244 @@
+"""Entry point: `python -m flame.train --config FILE [--section.key=value ...]` (under torchrun for several ranks).
+
+Builds everything in Trainer.__init__, then runs a plain loop. The training step (Trainer.train_step) is the one
+place where the loss is normalized: sum of token losses / number of target tokens in the whole global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from flame.checkpoint import Checkpointer
+from flame.config import Config, ConfigError, load_config, to_toml
+from flame.data import build_train_loader
+from flame.loss import count_targets
+from flame.metrics import MetricsLogger, warn
+from flame.models import build_model
+from flame.optim import build_lr_scheduler, build_optimizer
+from flame.parallel import all_reduce_sum, init_distributed, parallelize, resolve_dp_degrees
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean loss over every target token of the global batch."""
+    grad_norm: float
+    target_tokens: int
+    """Target (non-ignored) tokens in the global batch."""
+    skipped: bool
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        t = cfg.training
+        self.d = init_distributed(cfg.parallelism)
+        self.rank, self.device = self.d.rank, self.d.device
+        random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.run_dir = Path(cfg.job.dump_folder)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        dist.barrier()
+
+        # Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
+        # weights do not depend on the number of ranks), then sharded.
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        model.to_empty(device=self.device)
+        torch.manual_seed(t.seed)
+        model.init_weights()
+        self.num_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.model = parallelize(model, self.d, param_dtype=t.mixed_precision_param,
+                                 reduce_dtype=t.mixed_precision_reduce,
+                                 activation_checkpoint=t.activation_checkpoint, compile=t.compile)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.d.on_gpu)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.loader = build_train_loader(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
+                                         grad_accum=t.gradient_accumulation_steps, dp_rank=self.rank,
+                                         dp_world=self.d.world_size, seed=t.seed, vocab_size=cfg.model.vocab_size)
+        tokenizer_vocab = getattr(self.loader, "vocab_size", cfg.model.vocab_size)
+        if tokenizer_vocab > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"at least the tokenizer's vocabulary ({tokenizer_vocab})",
+                              cfg.model.vocab_size)
+
+        self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = 0
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.rank)
+        wandb_id = None
+        resume_step = self.checkpointer.step_to_resume() if cfg.checkpoint.enable else None
+        if resume_step is not None:
+            wandb_id = self.load_checkpoint(resume_step)
+        self.metrics = MetricsLogger(cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
+                                     device=self.device, flops_per_token=self.flops_per_token, wandb_id=wandb_id)
+        self.global_batch = t.batch_size * t.gradient_accumulation_steps * self.d.world_size
+        self.print(f"model {cfg.model.name}: {self.num_params / 1e6:.1f}M parameters, "
+                   f"{self.flops_per_token / 1e9:.2f} GFLOP/token | {self.d.world_size} ranks on {self.device.type} "
+                   f"(replicate x shard = {tuple(self.d.mesh.shape)}) | global batch {self.global_batch} x "
+                   f"{t.seq_len} tokens | run folder {self.run_dir}"
+                   + (f" | resumed from step {resume_step}" if resume_step is not None else ""))
+
+    def print(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    # ---------------------------------------------------------------------------------------------------- the step
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        # Normalize by the target tokens of the whole global batch (all micro-batches, all ranks), counted first.
+        n_local = sum(count_targets(mb["labels"]) for mb in micro_batches)
+        n_global = all_reduce_sum(n_local.to(self.device, torch.float32))
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce gradients once per step
+            token_loss_sum = self.model(mb["input_ids"], labels=mb["labels"], cu_seqlens=mb.get("cu_seqlens"))
+            (token_loss_sum / n_global).backward()  # FSDP sums gradients over ranks without dividing again
+            loss_sum += token_loss_sum.detach()
+        loss = all_reduce_sum(loss_sum) / n_global
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm or math.inf)
+        finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the step's one host sync
+        if finite:
+            self.optimizer.step()
+        self.scheduler.step()  # the schedule follows the step count, skipped steps included
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss.item(), grad_norm.item(), int(n_global.item()), skipped=not finite)
+
+    # ---------------------------------------------------------------------------------------------------- the loop
+    def train(self) -> None:
+        t = self.cfg.training
+        while self.step < t.steps:
+            micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
+            lr = self.optimizer.param_groups[0]["lr"]
+            result = self.train_step(micro_batches)
+            self.step += 1
+            self.tokens_seen += self.global_batch * t.seq_len
+            self.metrics.count(self.global_batch * t.seq_len)
+            if self.step == 1:
+                self.sanity_check_first_loss(result.loss)
+            self.handle_skip(result)
+            if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps or result.skipped:
+                self.metrics.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                                             "tokens_seen": self.tokens_seen, "target_tokens": result.target_tokens,
+                                             "skipped_steps": self.skipped_steps, **self.loader.metrics()})
+            if self.cfg.validation.enable and (self.step % self.cfg.validation.freq == 0 or self.step == t.steps):
+                self.evaluate()
+            if self.cfg.checkpoint.enable and (self.step % self.cfg.checkpoint.interval == 0 or self.step == t.steps):
+                path = self.checkpointer.save(self.step, self.state_dict())
+                self.print(f"saved checkpoint {path}")
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def sanity_check_first_loss(self, loss: float) -> None:
+        expected = math.log(self.cfg.model.vocab_size)
+        if not math.isfinite(loss) or abs(loss / expected - 1) > 0.25:
+            warn(f"FIRST LOSS {loss:.4f} IS FAR FROM ln(vocab_size) = {expected:.4f} (ratio {loss / expected:.2f}).\n"
+                 "A freshly initialized model should start near ln(vocab). Usual causes: the loss is not divided by "
+                 "the global target-token count\n(inflated by batch x accumulation steps), a bad initialization "
+                 "(init std too large, output layer not scaled), or labels not shifted against the inputs.")
+
+    def handle_skip(self, result: StepResult) -> None:
+        if not result.skipped:
+            self.consecutive_skips = 0
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.print(f"step {self.step}: non-finite loss ({result.loss}) or grad norm ({result.grad_norm}): "
+                   f"optimizer step skipped ({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
+        if self.consecutive_skips >= self.cfg.training.max_consecutive_skips:
+            raise RuntimeError(f"stopping: {self.consecutive_skips} consecutive steps had a non-finite loss or "
+                               "gradient norm (training.max_consecutive_skips). Lower the learning rate, check the "
+                               "data, or resume from an earlier checkpoint.")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        from flame.data import build_eval_loader
+
+        t = self.cfg.training
+        loader = build_eval_loader(self.cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, dp_rank=self.rank,
+                                   dp_world=self.d.world_size)
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        n = torch.zeros((), device=self.device)
+        for i, batch in enumerate(loader):
+            if i == self.cfg.validation.steps:
+                break
+            batch = self.to_device(batch)
+            loss_sum += self.model(batch["input_ids"], labels=batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
+            n += count_targets(batch["labels"])
+        self.model.train()
+        loss = (all_reduce_sum(loss_sum) / all_reduce_sum(n)).item()
+        self.metrics.log_eval(self.step, loss)
+        return loss
+
+    # ------------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict(),
+                "train_state": {"step": self.step, "tokens_seen": self.tokens_seen,
+                                "skipped_steps": self.skipped_steps, "wandb_id": self.metrics.wandb_id or ""},
+                # each rank reads its own stream: one entry per rank
+                "dataloader": {f"rank_{self.rank}": self.loader.state_dict()}}
+
+    def load_checkpoint(self, step: int) -> str | None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict(),
+                 "train_state": {"step": 0, "tokens_seen": 0, "skipped_steps": 0, "wandb_id": ""},
+                 "dataloader": {f"rank_{self.rank}": self.loader.state_dict()}}
+        self.checkpointer.load(step, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.loader.load_state_dict(state["dataloader"][f"rank_{self.rank}"])
+        ts = state["train_state"]
+        self.step, self.tokens_seen, self.skipped_steps = ts["step"], ts["tokens_seen"], ts["skipped_steps"]
+        return ts["wandb_id"] or None
+
+    def close(self) -> None:
+        self.metrics.close()
+        dist.destroy_process_group()
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config", "a TOML file after --config")
+        return argv[i + 1], argv[:i] + argv[i + 2:]
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    raise ConfigError("--config", "--config FILE")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        path, overrides = parse_args(argv)
+        cfg = load_config(path, overrides)
+        resolve_dp_degrees(cfg.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        e.file = e.file or (argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None)
+        print(e.line(), file=sys.stderr)
+        sys.exit(2)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Launch a flame run under torchrun: one GPU, one node or many.
+set -euo pipefail
+
+usage() {
+  cat <<'TXT'
+usage: scripts/launch.sh CONFIG.toml [--section.key=value | --section.key value ...]
+
+Environment (all optional):
+  NGPU         processes per node (default: every visible GPU; 1 on a machine without GPU)
+  NPROC        same as NGPU, wins over it (e.g. NPROC=2 for two CPU processes with gloo)
+  NNODES       number of nodes (default 1, or SLURM_JOB_NUM_NODES under Slurm)
+  NODE_RANK    this node's index (default 0, or SLURM_NODEID)
+  MASTER_ADDR  rendezvous host (default: this machine; under Slurm the first node of the job)
+  MASTER_PORT  rendezvous port (default 29500 on several nodes; a free port on one node)
+  RDZV_ID      rendezvous id shared by all nodes (default: SLURM_JOB_ID, or "flame")
+Backends: NCCL on GPU, gloo on CPU. Per-rank logs: {job.dump_folder}/logs/. The config is checked first: a bad key
+or value stops here with exit code 2.
+TXT
+}
+if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then usage; [[ $# -ge 1 ]] && exit 0 || exit 2; fi
+config=$1; shift
+cd "$(dirname "$0")/.."
+
+# Fail fast (exit 2, one line) before any process starts.
+dump=$(python -m flame.check_config --config "$config" "$@" --get job.dump_folder)
+
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+  NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+  NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+  MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+  RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+if [[ -z ${NGPU:-} ]]; then
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+fi
+NPROC=${NPROC:-$NGPU}
+[[ $NPROC -ge 1 ]] || NPROC=1
+
+logs="$dump/logs/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK"
+mkdir -p "$logs"
+if [[ $NNODES -eq 1 && -z ${MASTER_PORT:-} ]]; then
+  rdzv=(--standalone)  # one node: c10d rendezvous on a free local port
+else
+  rdzv=(--rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}"
+        --rdzv-id "${RDZV_ID:-flame}" --node-rank "$NODE_RANK")
+fi
+# NVLink SHARP multicast stays off (see README): it has hung collectives on shared machines.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
+exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" "${rdzv[@]}" \
+  --log-dir "$logs" --redirects 3 --tee 3 \
+  -m flame.train --config "$config" "$@"

@@ -1,0 +1,88 @@
+"""Shared test helpers: tiny run configs and reading a run folder back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = """
+[job]
+name = "test"
+dump_folder = "{dump}"
+
+[model]
+name = "transformer"
+vocab_size = 512
+hidden_size = 64
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+
+[data]
+synthetic = true
+
+[optimizer]
+lr = 1e-3
+weight_decay = 0.0
+
+[lr_scheduler]
+warmup_steps = 0
+
+[training]
+batch_size = 4
+gradient_accumulation_steps = 1
+seq_len = 32
+steps = 1
+max_norm = 1.0
+seed = 7
+
+[checkpoint]
+enable = true
+interval = 1000
+
+[metrics]
+log_freq = 1
+"""
+
+
+def write_config(tmp_path: Path, name: str = "run", text: str = TINY) -> tuple[Path, Path]:
+    dump = tmp_path / name
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text.format(dump=dump))
+    return path, dump
+
+
+def env() -> dict:
+    e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    return e
+
+
+def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """One training job in a subprocess: plain python for one rank, torchrun (gloo) for several."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "flame.train", "--config", str(config), *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "flame.train", "--config", str(config), *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_checkpoint(dump: Path, step: int) -> dict:
+    """A DCP checkpoint as one plain dict of full tensors."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = dump / f"step-{step}.pt"
+    dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", out)
+    return torch.load(out, weights_only=False)
