@@ -23,7 +23,7 @@ config=$1; shift
 cd "$(dirname "$0")/.."
 
 # Fail fast (exit 2, one line) before any process starts.
-dump=$(python -m flame.check_config --config "$config" "$@" --get job.dump_folder)
+dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --get job.dump_folder)
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
@@ -34,7 +34,7 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 if [[ -z ${NGPU:-} ]]; then
-  NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+  NGPU=$("${PYTHON:-python3}" -c "import torch; print(torch.cuda.device_count())")
 fi
 NPROC=${NPROC:-$NGPU}
 [[ $NPROC -ge 1 ]] || NPROC=1
@@ -51,6 +51,6 @@ fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
-exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" "${rdzv[@]}" \
+exec "${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${rdzv[@]}" \
   --log-dir "$logs" --redirects 3 --tee 3 \
   -m flame.train --config "$config" "$@"

@@ -1,0 +1,78 @@
+"""Config errors stop the run with exit code 2 and one line naming the file and the key; good configs round-trip."""
+
+import subprocess
+
+import pytest
+
+from flame.config import ConfigError, load_config, parse_overrides, to_toml
+from flame.train import main
+from tests.helpers import REPO, env, write_config
+
+
+def exit_line(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("--training.stepz=5", "training.stepz", "a known key"),
+    ("--trainin.steps=5", "trainin", "a known section"),
+    ("--training.steps=ten", "training.steps", "an integer"),
+    ("--training.steps=2.5", "training.steps", "an integer"),
+    ("--training.compile=1", "training.compile", "true or false"),
+    ("--training.seq_len=0", "training.seq_len", "an integer >= 1"),
+    ("--optimizer.lr=-1e-3", "optimizer.lr", "a number > 0"),
+    ("--lr_scheduler.warmup_steps=5", "lr_scheduler.warmup_steps", "at most training.steps (1)"),
+    ("--lr_scheduler.decay_type=exp", "lr_scheduler.decay_type", "one of 'linear', 'cosine', 'sqrt'"),
+    ("--model.name=mamba", "model.name", "one of"),
+    ("--model.num_heads=5", "model.num_heads", "a divisor of model.hidden_size"),
+    ("--model.hidden_sise=64", "model.hidden_sise", "a known key"),
+    ("--parallelism.dp_replicate=2", "parallelism", "dp_replicate * dp_shard = number of processes (1)"),
+])
+def test_bad_value_exits_2_naming_file_and_key(tmp_path, capsys, override, key, expected):
+    path, _ = write_config(tmp_path)
+    line = exit_line(capsys, ["--config", str(path), override])
+    assert str(path) in line and f" {key}: expected {expected}" in line
+
+
+def test_bad_toml_and_missing_file(tmp_path, capsys):
+    path, _ = write_config(tmp_path, text="[training]\nsteps = \n")
+    assert "valid TOML" in exit_line(capsys, ["--config", str(path)])
+    assert "an existing TOML file" in exit_line(capsys, ["--config", str(tmp_path / "nope.toml")])
+    path, _ = write_config(tmp_path, text="[training]\nsteps = 10\n")  # no data source
+    assert "data.sources: expected at least one" in exit_line(capsys, ["--config", str(path)])
+
+
+def test_override_forms_and_types():
+    assert parse_overrides(["--training.steps=100", "--optimizer.lr", "3e-4", "--job.name", "x y",
+                            "--training.compile=true"]) == [
+        ("training.steps", 100), ("optimizer.lr", 3e-4), ("job.name", "x y"), ("training.compile", True)]
+    with pytest.raises(ConfigError):
+        parse_overrides(["--training.steps"])
+
+
+def test_int_accepted_for_float_and_resolved_config_round_trips(tmp_path):
+    path, _ = write_config(tmp_path)
+    cfg = load_config(path, ["--optimizer.lr=1", "--training.steps", "50", "--lr_scheduler.decay_ratio=0.2"])
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float) and cfg.training.steps == 50
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(again) == cfg
+
+
+def test_every_shipped_config_is_valid():
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        load_config(path)
+
+
+def test_launcher_rejects_bad_config_before_starting(tmp_path):
+    path, dump = write_config(tmp_path)
+    proc = subprocess.run(["bash", "scripts/launch.sh", str(path), "--training.seq_len=0"], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "training.seq_len: expected an integer >= 1, got 0" in proc.stderr
+    assert not dump.exists()

@@ -1,0 +1,29 @@
+"""scripts/launch.sh runs a real job: 2 CPU processes under torchrun/gloo, metrics and logs in the run folder."""
+
+import math
+import subprocess
+
+from tests.helpers import REPO, env, read_metrics
+
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "tokens_seen"}
+
+
+def test_launch_two_cpu_processes(tmp_path):
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", "--training.steps", "4",
+         f"--job.dump_folder={dump}", "--metrics.log_freq=2", "--checkpoint.interval=2",
+         "--training.seq_len=64", "--lr_scheduler.warmup_steps=1"],
+        cwd=REPO, env=dict(env(), NPROC="2"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = read_metrics(dump)
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert REQUIRED <= r.keys()
+        assert math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 and r["mfu"] is None  # no MFU on CPU
+    assert records[-1]["tokens_seen"] == 4 * 2 * 4 * 64  # steps x ranks x micro batch x seq_len
+    assert "FIRST LOSS" not in proc.stderr  # a fresh model starts near ln(vocab)
+    assert (dump / "config.toml").is_file()
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2", "step-4"]
+    logs = list((dump / "logs").rglob("stdout.log"))
+    assert len(logs) == 2  # one per rank
