@@ -1,4 +1,4 @@
-"""Helpers shared by the Triton kernels: interpreter detection, sequence/chunk bookkeeping, autotune policy."""
+"""Helpers shared by the Triton kernels: interpreter detection, sequence/chunk bookkeeping."""
 
 from __future__ import annotations
 
@@ -15,11 +15,6 @@ def is_interpreting() -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def autotune_configs(configs: list, default):
-    """The interpreter has no GPU timer to autotune with: it runs the one default config."""
-    return [default] if is_interpreting() else configs
 
 
 def as_varlen(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:

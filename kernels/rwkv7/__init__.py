@@ -22,6 +22,14 @@ __all__ = ["chunk_rwkv7", "naive_rwkv7", "chunk_rwkv7_torch"]
 CHUNK = 16
 # fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
 PREC = "tf32"
+# V tile of the two sequential scans (None: by heuristic) and their warps. Fixed configs instead of autotuning:
+# a first call compiles each kernel once. scripts/bench_kernels.py --sweep times the alternatives.
+SCAN_BV: int | None = None
+SCAN_WARPS = 4
+
+
+def _scan_bv(V: int) -> int:
+    return SCAN_BV or min(32, max(16, next_pow2(V)))
 
 
 def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
@@ -43,9 +51,10 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
-    grid = lambda meta: (N, H, triton.cdiv(V, meta["BV"]))  # noqa: E731
-    _fwd_scan[grid](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale,
-                    H=H, K=K, V=V, BT=BT, BK=BK, HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC)
+    BV = _scan_bv(V)
+    _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
+                                          scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
+                                          STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
     return o, ht, (h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT)
 
 
@@ -61,9 +70,10 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dh = torch.empty(NT, H, K, V, **f32)
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    grid = lambda meta: (N, H, triton.cdiv(V, meta["BV"]))  # noqa: E731
-    _bwd_scan[grid](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
-                    H=H, K=K, V=V, BT=BT, BK=BK, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=PREC)
+    BV = _scan_bv(V)
+    _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
+                                          H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
+                                          STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)

@@ -12,14 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, load_rows, pick_col, pick_row, store_rows
-from kernels.utils import autotune_configs
 
 
-@triton.autotune(
-    configs=autotune_configs(
-        [triton.Config({"BV": bv}, num_warps=nw) for bv in (32, 64) for nw in (2, 4)],
-        triton.Config({"BV": 32}, num_warps=4)),
-    key=["H", "K", "V", "BT"])
 @triton.jit
 def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,

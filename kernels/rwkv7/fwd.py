@@ -13,7 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.utils import autotune_configs
 
 
 @triton.jit
@@ -118,11 +117,6 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
         store_rows(Uv, b_Uv, tok, i_h, H, V, cv, m_t, m_v)
 
 
-@triton.autotune(
-    configs=autotune_configs(
-        [triton.Config({"BV": bv}, num_warps=nw) for bv in (32, 64) for nw in (2, 4)],
-        triton.Config({"BV": 32}, num_warps=4)),
-    key=["H", "K", "V", "BT"])
 @triton.jit
 def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,

@@ -14,11 +14,12 @@ import torch
 def _naive_one(r, w, k, v, a, b, scale, state):
     # r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; state: [B, H, K, V]
     outs = []
-    for t in range(r.shape[1]):
-        sa = torch.einsum("bhkv,bhk->bhv", state, a[:, t])
-        state = (state * w[:, t].exp()[..., None] + b[:, t, :, :, None] * sa[:, :, None, :]
-                 + k[:, t, :, :, None] * v[:, t, :, None, :])
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, r[:, t]) * scale)
+    decay = w.exp()[..., None]                                              # [B, T, H, K, 1]
+    r, k, a, b, v = r[..., None], k[..., None], a[..., None], b[..., None], v[..., None, :]
+    for t in range(decay.shape[1]):
+        sa = (state * a[:, t]).sum(-2, keepdim=True)                       # [B, H, 1, V]
+        state = state * decay[:, t] + b[:, t] * sa + k[:, t] * v[:, t]
+        outs.append((state * r[:, t]).sum(-2) * scale)
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
     return o, state
 

@@ -58,12 +58,13 @@ def _chunk_one(r, w, k, v, a, b, scale, s0, C):
 
 
 def chunk_rwkv7_torch(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
-                      cu_seqlens=None, chunk_size: int = 16):
-    """Same call and results as `kernels.rwkv7.chunk_rwkv7`; computes in fp32, returns o in v's dtype."""
+                      cu_seqlens=None, chunk_size: int = 16, compute_dtype: torch.dtype = torch.float32):
+    """Same call and results as `kernels.rwkv7.chunk_rwkv7`; computes in `compute_dtype` (fp32; fp64 makes a fast
+    reference for long sequences), returns o in v's dtype and the final state in `compute_dtype`."""
     B, T, H, K = r.shape
     V = v.shape[-1]
     dtype = v.dtype
-    r, w, k, v, a, b = (x.float() for x in (r, w, k, v, a, b))
+    r, w, k, v, a, b = (x.to(compute_dtype) for x in (r, w, k, v, a, b))
     if cu_seqlens is None:
         bounds, n_seq = [(slice(None), slice(None))], B
     else:
@@ -75,7 +76,7 @@ def chunk_rwkv7_torch(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, 
     outs, finals = [], []
     for seqs, span in bounds:
         o, s = _chunk_one(r[:, span], w[:, span], k[:, span], v[:, span], a[:, span], b[:, span], scale,
-                          initial_state[seqs].float(), chunk_size)
+                          initial_state[seqs].to(compute_dtype), chunk_size)
         outs.append(o)
         finals.append(s)
     o = torch.cat(outs, dim=1).to(dtype)
