@@ -1,0 +1,146 @@
+"""Kernel benchmark: our chunk_rwkv7 beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
+
+    python scripts/bench_kernels.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
+    python scripts/bench_kernels.py --sweep         # also our scan tile / warp alternatives
+    python scripts/bench_kernels.py --profile       # also per-kernel CUDA time of one fwd+bwd
+
+FLA's chunk_rwkv7 is called as FLA's RWKV7 layer calls it (a = -kk, b = kk * a, scale 1, safe_gate=True,
+lower_bound=-exp(-0.5), chunk_size=64, bf16 log decay in [-exp(-0.5), 0)). Ours gets the same values with the log
+decay in fp32. Rows for FLA are skipped with a note when it is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(8, 4096, 16, 64), (2, 16384, 16, 64)]   # B, T, H, K = V
+
+
+def make(B, T, H, D, dev="cuda"):
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    r, k, v = (torch.randn(B, T, H, D, device=dev, dtype=dt) for _ in range(3))
+    kk = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1)
+    rate = torch.rand(B, T, H, D, device=dev)
+    w = -math.exp(-0.5) * torch.sigmoid(torch.randn(B, T, H, D, device=dev))
+    return r, w, k, v, (-kk).to(dt), (kk * rate).to(dt)
+
+
+def bench(fn, inputs, backward):
+    """(median ms, peak MiB above the inputs) of fn, with o.backward when `backward`."""
+    from triton.testing import do_bench
+    xs = [x.detach().clone().requires_grad_(backward) for x in inputs]
+    do = None
+
+    def step():
+        nonlocal do
+        o = fn(*xs)
+        if backward:
+            if do is None:
+                do = torch.randn_like(o)
+            o.backward(do)
+            for x in xs:
+                x.grad = None
+        return o
+
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = do_bench(step, warmup=50, rep=300, return_mode="median")
+    return ms, peak
+
+
+def ours(r, w, k, v, a, b):
+    from kernels.rwkv7 import chunk_rwkv7
+    return chunk_rwkv7(r, w, k, v, a, b, scale=1.0)[0]
+
+
+def fla_fn():
+    try:
+        from fla.ops.rwkv7 import chunk_rwkv7 as fla_chunk
+    except Exception as e:  # noqa: BLE001  (missing, or broken against this torch/triton)
+        return None, f"{type(e).__name__}: {e}"
+
+    def fn(r, w, k, v, a, b):
+        return fla_chunk(r, w.to(r.dtype), k, v, a, b, scale=1.0, safe_gate=True,
+                         lower_bound=-math.exp(-0.5), chunk_size=64)[0]
+    return fn, None
+
+
+def sdpa(r, w, k, v, a, b):
+    q, kk, vv = (x.transpose(1, 2) for x in (r, k, v))
+    return F.scaled_dot_product_attention(q, kk, vv, is_causal=True).transpose(1, 2)
+
+
+def profile(fn, inputs, label):
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    o = fn(*xs)
+    o.backward(torch.ones_like(o))
+    torch.cuda.synchronize()
+    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+        o = fn(*xs)
+        o.backward(torch.ones_like(o))
+        torch.cuda.synchronize()
+    print(f"\n-- {label}: CUDA time per kernel (one fwd+bwd)")
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
+        print(f"   {ms:8.3f} ms  {name[:90]}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--shapes", default="all", choices=["all", "first"])
+    args = p.parse_args()
+    import kernels.rwkv7 as mod
+    fla, why = fla_fn()
+    if fla is None:
+        print(f"note: FLA rows skipped ({why})")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
+    rows = []
+    for B, T, H, D in shapes:
+        inputs = make(B, T, H, D)
+        tokens = B * T
+        cands = [("ours chunk_rwkv7", ours)] + ([("FLA 0.6.0 chunk_rwkv7", fla)] if fla else []) \
+            + [("SDPA flash (causal)", sdpa)]
+        res = {}
+        for name, fn in cands:
+            f_ms, f_mem = bench(fn, inputs, False)
+            fb_ms, fb_mem = bench(fn, inputs, True)
+            res[name] = (f_ms, fb_ms, fb_mem)
+            print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+        for name, (f_ms, fb_ms, mem) in res.items():
+            ref = res.get("FLA 0.6.0 chunk_rwkv7")
+            ratio = f"{ref[1] / fb_ms:5.2f}x" if ref else "  n/a"
+            rows.append(f"| B={B} T={T} H={H} D={D} | {name:22s} | {f_ms:8.3f} | {fb_ms:8.3f} | "
+                        f"{tokens / fb_ms / 1e3:8.2f} | {mem:8.0f} | {ratio} |")
+        if args.sweep:
+            for bv in (16, 32, 64):
+                for nw in (2, 4, 8):
+                    mod.SCAN_BV, mod.SCAN_WARPS = bv, nw
+                    f_ms, _ = bench(ours, inputs, False)
+                    fb_ms, _ = bench(ours, inputs, True)
+                    print(f"   sweep BV={bv} warps={nw}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+            mod.SCAN_BV, mod.SCAN_WARPS = None, 4
+        if args.profile:
+            profile(ours, inputs, f"ours B={B} T={T}")
+            if fla:
+                profile(fla, inputs, f"FLA B={B} T={T}")
+    print("\n| shape | kernel | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | fwd+bwd peak MiB | FLA / this (fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

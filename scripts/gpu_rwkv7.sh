@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call for the RWKV7 kernel: install the carried wheels, restore the Triton cache, run the GPU tests and
+# the benchmark (each under a timeout), save the Triton cache to $OUT, print the table last.
+# Run with carry [".whl", ".tcache"]; copy $OUT/tcache.tgz back to .tcache/ for the next call.
+#   BENCH_ARGS="--sweep --profile" TEST_TIMEOUT=300 BENCH_TIMEOUT=240 bash scripts/gpu_rwkv7.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/tcache
+[ -f .tcache/tcache.tgz ] && tar xzf .tcache/tcache.tgz -C /tmp
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "${TEST_TIMEOUT:-300}" -gt 0 ]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu tests/kernels -x -q -p no:cacheprovider \
+    --durations=8 ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" \
+  | grep -v '^|'
+tar czf "$OUT/tcache.tgz" -C /tmp tcache
+grep '^|' "$OUT/bench.log"
