@@ -22,9 +22,14 @@ def peak_flops(cfg_tflops: float, device: torch.device) -> float | None:
         return cfg_tflops * 1e12
     if device.type != "cuda":
         return None
+    from torchtitan.tools.logging import logger as titan_logger
     from torchtitan.tools.utils import get_peak_flops
 
-    return get_peak_flops(torch.cuda.get_device_name(device))
+    titan_logger.disabled = True  # (the root logger) it logs an error where lspci is missing, then uses the name
+    try:
+        return get_peak_flops(torch.cuda.get_device_name(device))
+    finally:
+        titan_logger.disabled = False
 
 
 def peak_memory_gib(device: torch.device) -> float:
