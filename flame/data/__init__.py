@@ -1,18 +1,34 @@
-"""Data: raw documents per rank/worker -> tokens -> packed batches. `build_train_loader` is the trainer's entry."""
+"""Data: raw documents per rank/worker -> tokens -> packed batches. `build_train_loader` is the trainer's entry.
+
+Layout: config.py ([data] section), sources.py (files, formats, sharding, raw positions), tokenizer.py,
+packing.py (documents -> windows, cu_seqlens), pipeline.py (one reader: tokenize, mix, shuffle, pack, state),
+loader.py (workers, resume, counters, eval), synthetic.py (no files).
+"""
 
 from __future__ import annotations
 
 from flame.data.config import DataConfig, SourceConfig
+from flame.data.loader import EvalLoader, TextLoader, check_sources
 from flame.data.synthetic import IGNORE_INDEX, SyntheticLoader
 
-__all__ = ["DataConfig", "SourceConfig", "IGNORE_INDEX", "build_train_loader"]
+__all__ = ["DataConfig", "SourceConfig", "IGNORE_INDEX", "build_train_loader", "build_eval_loader", "check_sources"]
 
 
 def build_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, grad_accum: int, dp_rank: int,
                        dp_world: int, seed: int, vocab_size: int):
     """An iterator of micro-batches {input_ids [B, T], labels [B, T] (IGNORE_INDEX = no loss), optional cu_seqlens},
-    with state_dict()/load_state_dict() for exact resume and metrics() for counters."""
+    with state_dict()/load_state_dict() for exact resume and metrics() for counters.
+
+    Text sources raise ConfigError (naming data.sources[i].path, data.tokenizer, ...) here, before training starts.
+    The text loader's `vocab_size` is the tokenizer's; the trainer checks that it fits model.vocab_size."""
     if cfg.synthetic:
         return SyntheticLoader(seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, dp_rank=dp_rank,
                                dp_world=dp_world, seed=seed, vocab_size=vocab_size)
-    raise NotImplementedError("text sources arrive with the data pipeline (issue 3); use data.synthetic = true")
+    return TextLoader(cfg, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
+
+
+def build_eval_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, dp_rank: int, dp_world: int):
+    """A fresh, deterministic iterable of eval batches over data.eval_sources, or None when there are none."""
+    if not cfg.eval_sources:
+        return None
+    return EvalLoader(cfg, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world)

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
 class SourceConfig:
     path: str = ""
-    """A glob of local files or a hub dataset id."""
+    """A glob of local files (or a folder), or a hub dataset id with format = "hf". Relative paths are looked up
+    from the working directory, then from the repository root."""
+    format: Literal["auto", "jsonl", "jsonl.zst", "json.gz", "parquet", "txt", "hf"] = "auto"
+    """auto: from each file's name (.jsonl/.json, .jsonl.zst/.zst, .jsonl.gz/.json.gz, .parquet, .txt); a path that
+    matches no file but looks like owner/name is a hub id. txt: one document per file. hf: datasets.load_dataset."""
+    text_field: str = "text"
+    """The field (jsonl) or column (parquet, hf) holding the document text."""
     weight: float = 1.0
-    """Relative sampling weight when several sources are mixed."""
+    """Relative share of *tokens* drawn from this source when several are mixed."""
+    subset: str = ""
+    """format hf only: the dataset's configuration name (load_dataset's `name`)."""
+    split: str = "train"
+    """format hf only: the split to stream."""
 
     def validate(self, key: str) -> None:
         from flame.config import check
 
         check(bool(self.path), f"{key}.path", "a glob or a hub dataset id")
         check(self.weight > 0, f"{key}.weight", "a number > 0", self.weight)
+        check(bool(self.text_field), f"{key}.text_field", "a field name")
 
 
 @dataclass
@@ -26,9 +38,24 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     """[[data.sources]] tables."""
     eval_sources: list[SourceConfig] = field(default_factory=list)
-    """[[data.eval_sources]] tables, for validation."""
+    """[[data.eval_sources]] tables, for validation (read in order, never shuffled)."""
     tokenizer: str = "data/tokenizer/gpt-neox-20b/tokenizer.json"
-    """A tokenizer.json path or a hub id."""
+    """A tokenizer.json path (or a folder holding one) or a hub id."""
+    num_workers: int = 2
+    """Dataloader worker processes per rank, each tokenizing its own share of the documents; 0 reads in the
+    training process. A checkpoint resumes only with the same num_workers and data-parallel size."""
+    shuffle_buffer: int = 1000
+    """Documents held for the document-level shuffle (per worker); 0 keeps the stream order."""
+    add_bos: bool = False
+    """Put bos_token before every document (eos_token always follows one)."""
+    bos_token: str = "<|endoftext|>"
+    eos_token: str = "<|endoftext|>"
+    varlen: bool = False
+    """Batches also carry cu_seqlens (document boundaries over the flattened batch) and no label crosses from one
+    document into the next."""
+    max_doc_len: int = 0
+    """varlen only: documents longer than this many tokens are cut into segments of at most this length;
+    0 = cut only at row ends (seq_len)."""
 
     def validate(self) -> None:
         from flame.config import check
@@ -38,3 +65,7 @@ class DataConfig:
         for name in ("sources", "eval_sources"):
             for i, source in enumerate(getattr(self, name)):
                 source.validate(f"data.{name}[{i}]")
+        check(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)
+        check(self.shuffle_buffer >= 0, "data.shuffle_buffer", "an integer >= 0", self.shuffle_buffer)
+        check(self.max_doc_len >= 0, "data.max_doc_len", "an integer >= 0", self.max_doc_len)
+        check(bool(self.eos_token), "data.eos_token", "a token of the tokenizer")

@@ -1,0 +1,103 @@
+"""What the trainer holds: the training loader of one rank (workers, resume, counters) and the eval loader."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from flame.data.config import DataConfig
+from flame.data.counters import merge_counters
+from flame.data.pipeline import PipelineSettings, ReaderPipeline, TextDataset
+from flame.data.sources import plan_sources
+from flame.data.tokenizer import TextTokenizer
+
+
+def check_sources(cfg: DataConfig) -> tuple[PipelineSettings, TextTokenizer]:
+    """Resolve sources, eval sources and tokenizer before training starts; raise ConfigError naming the key."""
+    from flame.config import ConfigError
+
+    plans = plan_sources(cfg, "sources")
+    plan_sources(cfg, "eval_sources")
+    try:
+        tokenizer = TextTokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
+    except KeyError as e:
+        raise ConfigError("data.eos_token" if "eos_token" in str(e) else "data.bos_token",
+                          "a token of the tokenizer", str(e)) from None
+    except Exception as e:  # a missing file, a bad json, an unknown hub id
+        raise ConfigError("data.tokenizer", "a tokenizer.json file or a reachable hub id",
+                          f"{cfg.tokenizer} ({e})") from None
+    return _settings(cfg, plans, seq_len=0, batch_size=0, seed=0), tokenizer
+
+
+def _settings(cfg: DataConfig, plans, *, seq_len: int, batch_size: int, seed: int) -> PipelineSettings:
+    return PipelineSettings(plans=plans, tokenizer=cfg.tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                            shuffle_buffer=cfg.shuffle_buffer, varlen=cfg.varlen, max_doc_len=cfg.max_doc_len,
+                            add_bos=cfg.add_bos, bos_token=cfg.bos_token, eos_token=cfg.eos_token)
+
+
+class TextLoader:
+    """Micro-batches {input_ids, labels[, cu_seqlens]} of one rank, endlessly; state_dict()/load_state_dict() resume
+    exactly (same dp size and num_workers); metrics() sums the workers' counters; vocab_size is the tokenizer's."""
+
+    def __init__(self, cfg: DataConfig, *, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int):
+        checked, tokenizer = check_sources(cfg)
+        self.vocab_size = tokenizer.vocab_size
+        self.layout = {"dp_rank": dp_rank, "dp_world": dp_world, "num_workers": cfg.num_workers,
+                       "seq_len": seq_len, "batch_size": batch_size,
+                       "sources": [p.config.path for p in checked.plans]}
+        settings = _settings(cfg, checked.plans, seq_len=seq_len, batch_size=batch_size, seed=seed)
+        dataset = TextDataset(settings, dp_rank=dp_rank, dp_world=dp_world, num_workers=cfg.num_workers)
+        # batch_size=None: each worker yields whole micro-batches; workers take turns, one batch each.
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on construction
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            self.loader = StatefulDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers,
+                                             pin_memory=torch.cuda.is_available(), snapshot_every_n_steps=1)
+        self._iterator = None
+        self._counters: dict[int, dict] = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iterator is None:
+            self._iterator = iter(self.loader)
+        batch, worker, counters = next(self._iterator)
+        self._counters[int(worker)] = counters
+        return batch
+
+    def metrics(self) -> dict[str, int]:
+        return merge_counters(list(self._counters.values()))
+
+    def state_dict(self) -> dict:
+        return {"layout": dict(self.layout), "loader": self.loader.state_dict(),
+                "counters": {str(w): dict(c) for w, c in self._counters.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in self.layout.items():
+            if state["layout"].get(key) != value:
+                raise ValueError(f"the checkpoint's data state was saved with {key} = {state['layout'].get(key)!r}, "
+                                 f"this run has {value!r}: data resumes exactly only with the same layout")
+        self.loader.load_state_dict(state["loader"])
+        self._counters = {int(w): dict(c) for w, c in state["counters"].items()}
+        self._iterator = None
+
+
+class EvalLoader:
+    """Deterministic batches over data.eval_sources for one rank: each iter() starts again from the first document
+    (no shuffle). Endless (passes repeat): take validation.steps batches, the same number on every rank."""
+
+    def __init__(self, cfg: DataConfig, *, seq_len: int, batch_size: int, dp_rank: int, dp_world: int):
+        checked, self.tokenizer = check_sources(cfg)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.settings = _settings(cfg, plan_sources(cfg, "eval_sources"), seq_len=seq_len, batch_size=batch_size,
+                                  seed=0)
+        self.settings.shuffle_buffer = 0
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+
+    def __iter__(self):
+        pipeline = ReaderPipeline(self.settings, reader=self.dp_rank, n_readers=self.dp_world,
+                                  tokenizer=self.tokenizer)
+        while True:
+            yield pipeline.next_batch()
