@@ -66,10 +66,10 @@ class MetricsLogger:
         if rank == 0 and cfg.metrics.enable_wandb:
             import wandb
 
-            self.wandb_id = wandb_id or wandb.util.generate_id()
-            self.wandb = wandb.init(project=cfg.metrics.wandb_project, name=cfg.job.name, id=self.wandb_id,
+            self.wandb = wandb.init(project=cfg.metrics.wandb_project, name=cfg.job.name, id=wandb_id,
                                     resume="allow", dir=str(run_dir), config=cfg.to_dict(),
                                     mode=wandb_mode(cfg.metrics.wandb_mode))
+            self.wandb_id = self.wandb.id  # saved in checkpoints: a resumed run continues this wandb run
         self.window_start = time.perf_counter()
         self.window_tokens = 0
         self.train_start = time.perf_counter()

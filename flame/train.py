@@ -84,6 +84,9 @@ class Trainer:
             wandb_id = self.load_checkpoint(resume_step)
         self.metrics = MetricsLogger(cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
                                      device=self.device, flops_per_token=self.flops_per_token, wandb_id=wandb_id)
+        ids = [self.metrics.wandb_id]  # only rank 0 talks to wandb; every rank saves the same train state
+        dist.broadcast_object_list(ids, src=0)
+        self.metrics.wandb_id = ids[0]
         self.global_batch = t.batch_size * t.gradient_accumulation_steps * self.d.world_size
         self.print(f"model {cfg.model.name}: {self.num_params / 1e6:.1f}M parameters, "
                    f"{self.flops_per_token / 1e9:.2f} GFLOP/token | {self.d.world_size} ranks on {self.device.type} "
