@@ -102,7 +102,7 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         # Normalize by the target tokens of the whole global batch (all micro-batches, all ranks), counted first.
         n_local = sum(count_targets(mb["labels"]) for mb in micro_batches)
-        n_global = all_reduce_sum(n_local.to(self.device, torch.float32))
+        n_global = all_reduce_sum(n_local.to(self.device)).float()  # summed exactly as int64
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce gradients once per step
