@@ -8,6 +8,7 @@ worker snapshots only send the slots that changed.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -135,6 +136,8 @@ class TextDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         self.worker_id = info.id if info is not None else 0
+        if info is not None:  # one tokenizer thread per worker: num_workers is the knob, and ranks x workers x
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # thread pools would oversubscribe the cores
         # Built here, not lazily in the generator: the dataloader reads state_dict() right after iter().
         self.pipeline = ReaderPipeline(self.settings, reader=self.dp_rank * self.workers + self.worker_id,
                                        n_readers=self.dp_world * self.workers)
