@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import torch
@@ -55,6 +56,7 @@ class TextLoader:
             self.loader = StatefulDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers,
                                              pin_memory=torch.cuda.is_available(), snapshot_every_n_steps=1)
         self._iterator = None
+        self._restored = None  # the dataloader state last loaded (None: start from the beginning)
         self._counters: dict[int, dict] = {}
 
     def __iter__(self):
@@ -71,15 +73,24 @@ class TextLoader:
         return merge_counters(list(self._counters.values()))
 
     def state_dict(self) -> dict:
-        return {"layout": dict(self.layout), "loader": self.loader.state_dict(),
-                "counters": {str(w): dict(c) for w, c in self._counters.items()}}
+        """{"state": bytes}: one pickled blob, so the checkpoint's structure does not depend on what the buffers
+        hold (DCP loads into the structure of a fresh loader's state_dict, used as the template)."""
+        if self._iterator is None:  # nothing drawn since construction or load_state_dict: no workers to ask
+            loader_state = self._restored
+        else:
+            loader_state = self.loader.state_dict()
+        state = {"layout": dict(self.layout), "loader": loader_state,
+                 "counters": {str(w): dict(c) for w, c in self._counters.items()}}
+        return {"state": pickle.dumps(state)}
 
     def load_state_dict(self, state: dict) -> None:
+        state = pickle.loads(state["state"])
         for key, value in self.layout.items():
             if state["layout"].get(key) != value:
                 raise ValueError(f"the checkpoint's data state was saved with {key} = {state['layout'].get(key)!r}, "
                                  f"this run has {value!r}: data resumes exactly only with the same layout")
-        self.loader.load_state_dict(state["loader"])
+        self._restored = state["loader"]
+        self.loader.load_state_dict(self._restored or {})
         self._counters = {int(w): dict(c) for w, c in state["counters"].items()}
         self._iterator = None
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from flame.data import build_eval_loader, build_train_loader
 from flame.data.config import DataConfig, SourceConfig
@@ -30,6 +29,15 @@ def assert_same_batches(a, b):
             assert torch.equal(x[key], y[key]), key
 
 
+def checkpoint_roundtrip(saved, fresh, folder):
+    """As flame/train.py does it: DCP save of {"dataloader": {rank: state}}, DCP load into a fresh loader's
+    state_dict as the template, then load_state_dict."""
+    dcp.save({"dataloader": {"rank_0": saved.state_dict()}}, checkpoint_id=str(folder))
+    template = {"dataloader": {"rank_0": fresh.state_dict()}}
+    dcp.load(template, checkpoint_id=str(folder))
+    fresh.load_state_dict(template["dataloader"]["rank_0"])
+
+
 @pytest.fixture(scope="module")
 def two_sources(tmp_path_factory):
     # Small on purpose: every reader goes through several epochs of both sources within the test.
@@ -39,8 +47,9 @@ def two_sources(tmp_path_factory):
     return root
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("num_workers,varlen", [(2, True), (0, False)])
-def test_exact_resume_over_two_ranks(two_sources, num_workers, varlen):
+def test_exact_resume_over_two_ranks(two_sources, tmp_path, num_workers, varlen):
     cfg = data_config((str(two_sources / "pile"), 0.7), (str(two_sources / "web"), 0.3), num_workers=num_workers,
                       shuffle_buffer=16, varlen=varlen)
     straight = {}
@@ -48,9 +57,10 @@ def test_exact_resume_over_two_ranks(two_sources, num_workers, varlen):
         straight[rank] = take(loader(cfg, rank, 2), 14)
         first = loader(cfg, rank, 2)
         head = take(first, 5)
-        state = pickle.loads(pickle.dumps(first.state_dict()))  # as a checkpoint would carry it
-        resumed = loader(cfg, rank, 2)
-        resumed.load_state_dict(state)
+        restored = loader(cfg, rank, 2)
+        checkpoint_roundtrip(first, restored, tmp_path / f"ckpt-{rank}")
+        resumed = loader(cfg, rank, 2)  # saved again before drawing a batch: still the same position
+        checkpoint_roundtrip(restored, resumed, tmp_path / f"ckpt-{rank}-again")
         assert_same_batches(head + take(resumed, 9), straight[rank])
         assert resumed.metrics()["source0_epoch"] >= 1 and resumed.metrics()["source1_epoch"] >= 1
     assert not any(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(straight[0], straight[1]))
