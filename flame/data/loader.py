@@ -17,19 +17,22 @@ from flame.data.tokenizer import TextTokenizer
 
 def check_sources(cfg: DataConfig) -> tuple[PipelineSettings, TextTokenizer]:
     """Resolve sources, eval sources and tokenizer before training starts; raise ConfigError naming the key."""
-    from flame.config import ConfigError
-
     plans = plan_sources(cfg, "sources")
     plan_sources(cfg, "eval_sources")
+    return _settings(cfg, plans, seq_len=0, batch_size=0, seed=0), load_tokenizer(cfg)
+
+
+def load_tokenizer(cfg: DataConfig) -> TextTokenizer:
+    from flame.config import ConfigError
+
     try:
-        tokenizer = TextTokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
+        return TextTokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
     except KeyError as e:
         raise ConfigError("data.eos_token" if "eos_token" in str(e) else "data.bos_token",
                           "a token of the tokenizer", str(e)) from None
     except Exception as e:  # a missing file, a bad json, an unknown hub id
         raise ConfigError("data.tokenizer", "a tokenizer.json file or a reachable hub id",
                           f"{cfg.tokenizer} ({e})") from None
-    return _settings(cfg, plans, seq_len=0, batch_size=0, seed=0), tokenizer
 
 
 def _settings(cfg: DataConfig, plans, *, seq_len: int, batch_size: int, seed: int) -> PipelineSettings:
@@ -70,7 +73,8 @@ class TextLoader:
         return batch
 
     def metrics(self) -> dict[str, int]:
-        return merge_counters(list(self._counters.values()))
+        """data_docs, data_tokens (read and tokenized), data_skipped_<reason>, data_source<i>_epoch (passes done)."""
+        return {f"data_{k}": v for k, v in merge_counters(list(self._counters.values())).items()}
 
     def state_dict(self) -> dict:
         """{"state": bytes}: one pickled blob, so the checkpoint's structure does not depend on what the buffers
@@ -100,7 +104,7 @@ class EvalLoader:
     (no shuffle). Endless (passes repeat): take validation.steps batches, the same number on every rank."""
 
     def __init__(self, cfg: DataConfig, *, seq_len: int, batch_size: int, dp_rank: int, dp_world: int):
-        checked, self.tokenizer = check_sources(cfg)
+        self.tokenizer = load_tokenizer(cfg)
         self.vocab_size = self.tokenizer.vocab_size
         self.settings = _settings(cfg, plan_sources(cfg, "eval_sources"), seq_len=seq_len, batch_size=batch_size,
                                   seed=0)

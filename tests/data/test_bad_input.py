@@ -102,13 +102,14 @@ def test_loader_metrics_count_skips_docs_and_tokens(tmp_path, tokenizer):
     for _ in range(3 * n_tokens // 16):  # about three passes over the file
         next(loader)
     m = loader.metrics()
-    passes = m["docs"] // len(good)
-    assert passes >= 2 and m["docs"] % 32 == 0  # tokenized 32 documents at a time
-    assert m["tokens"] == sum(len(ids) + 1 for ids in tokenizer.encode_batch((good * (passes + 1))[: m["docs"]]))
+    passes = m["data_docs"] // len(good)
+    assert passes >= 2 and m["data_docs"] % 32 == 0  # tokenized 32 documents at a time
+    docs_read = (good * (passes + 1))[: m["data_docs"]]
+    assert m["data_tokens"] == sum(len(ids) + 1 for ids in tokenizer.encode_batch(docs_read))
     # the bad JSON line follows the first good line: a pass counts it once it reads a second good document
-    full_passes, rest = divmod(m["docs"], len(good))
-    assert m["skipped_bad_json"] == full_passes + (rest >= 2)
-    assert m["source0_epoch"] == full_passes - (rest == 0)
+    full_passes, rest = divmod(m["data_docs"], len(good))
+    assert m["data_skipped_bad_json"] == full_passes + (rest >= 2)
+    assert m["data_source0_epoch"] == full_passes - (rest == 0)
 
 
 # ----------------------------------------------------------------------------------- errors before training starts

@@ -62,8 +62,19 @@ def test_exact_resume_over_two_ranks(two_sources, tmp_path, num_workers, varlen)
         resumed = loader(cfg, rank, 2)  # saved again before drawing a batch: still the same position
         checkpoint_roundtrip(restored, resumed, tmp_path / f"ckpt-{rank}-again")
         assert_same_batches(head + take(resumed, 9), straight[rank])
-        assert resumed.metrics()["source0_epoch"] >= 1 and resumed.metrics()["source1_epoch"] >= 1
+        assert resumed.metrics()["data_source0_epoch"] >= 1 and resumed.metrics()["data_source1_epoch"] >= 1
     assert not any(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(straight[0], straight[1]))
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_unshuffled_stream_is_the_documents_in_file_order(tmp_path, tokenizer, add_bos):
+    texts = make_corpus(tmp_path, "s", n_files=1, docs_per_file=30, fmt="jsonl")
+    cfg = data_config((str(tmp_path / "s-00.jsonl"), 1.0), num_workers=0, shuffle_buffer=0, add_bos=add_bos)
+    expected = []
+    for ids in tokenizer.encode_batch(texts + texts):  # two passes
+        expected += [tokenizer.bos_id] * add_bos + ids + [tokenizer.eos_id]
+    batches = take(loader(cfg, seq_len=50, batch_size=3), 6)
+    assert torch.cat([b["input_ids"].view(-1) for b in batches]).tolist() == expected[: 6 * 150]
 
 
 def test_resume_refuses_another_layout(two_sources):
@@ -123,4 +134,4 @@ def test_bundled_sample_with_workers_through_the_toml(tmp_path):
         assert 0 <= int(batch["input_ids"].min()) and int(batch["input_ids"].max()) < train.vocab_size
     assert any(int((b["input_ids"] == 0).sum()) for b in batches)  # documents end with <|endoftext|>
     m = train.metrics()
-    assert m["docs"] > 0 and m["tokens"] >= 6 * 4 * 256 // 2
+    assert m["data_docs"] > 0 and m["data_tokens"] >= 6 * 4 * 256 // 2
