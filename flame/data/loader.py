@@ -11,15 +11,16 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from flame.data.config import DataConfig
 from flame.data.counters import merge_counters
 from flame.data.pipeline import PipelineSettings, ReaderPipeline, TextDataset
-from flame.data.sources import plan_sources
+from flame.data.sources import SourcePlan, plan_sources
 from flame.data.tokenizer import TextTokenizer
 
 
-def check_sources(cfg: DataConfig) -> tuple[PipelineSettings, TextTokenizer]:
-    """Resolve sources, eval sources and tokenizer before training starts; raise ConfigError naming the key."""
+def check_sources(cfg: DataConfig) -> tuple[list[SourcePlan], TextTokenizer]:
+    """Resolve sources, eval sources and tokenizer before training starts; raise ConfigError naming the key.
+    Returns the training sources' plans and the tokenizer."""
     plans = plan_sources(cfg, "sources")
     plan_sources(cfg, "eval_sources")
-    return _settings(cfg, plans, seq_len=0, batch_size=0, seed=0), load_tokenizer(cfg)
+    return plans, load_tokenizer(cfg)
 
 
 def load_tokenizer(cfg: DataConfig) -> TextTokenizer:
@@ -46,12 +47,11 @@ class TextLoader:
     exactly (same dp size and num_workers); metrics() sums the workers' counters; vocab_size is the tokenizer's."""
 
     def __init__(self, cfg: DataConfig, *, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int):
-        checked, tokenizer = check_sources(cfg)
+        plans, tokenizer = check_sources(cfg)
         self.vocab_size = tokenizer.vocab_size
         self.layout = {"dp_rank": dp_rank, "dp_world": dp_world, "num_workers": cfg.num_workers,
-                       "seq_len": seq_len, "batch_size": batch_size,
-                       "sources": [p.config.path for p in checked.plans]}
-        settings = _settings(cfg, checked.plans, seq_len=seq_len, batch_size=batch_size, seed=seed)
+                       "seq_len": seq_len, "batch_size": batch_size, "sources": [p.config.path for p in plans]}
+        settings = _settings(cfg, plans, seq_len=seq_len, batch_size=batch_size, seed=seed)
         dataset = TextDataset(settings, dp_rank=dp_rank, dp_world=dp_world, num_workers=cfg.num_workers)
         # batch_size=None: each worker yields whole micro-batches; workers take turns, one batch each.
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on construction
