@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path, overrides = parse_args(argv)
         cfg = load_config(path, overrides)
+        if not cfg.data.synthetic:
+            from flame.data import check_sources
+
+            check_sources(cfg.data)
         if get is None:
             print(to_toml(cfg), end="")
             return

@@ -20,7 +20,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from flame.checkpoint import Checkpointer
 from flame.config import Config, ConfigError, load_config, to_toml
-from flame.data import build_train_loader
+from flame.data import build_train_loader, check_sources
 from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         path, overrides = parse_args(argv)
         cfg = load_config(path, overrides)
         resolve_dp_degrees(cfg.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+        if not cfg.data.synthetic:
+            check_sources(cfg.data)  # globs, files, formats, tokenizer: fail here, not mid-run
     except ConfigError as e:
         e.file = e.file or (argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None)
         print(e.line(), file=sys.stderr)
