@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from corpora import TOKENIZER
+from tests.data.corpora import TOKENIZER
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from flame.data.config import SourceConfig
 from flame.data.counters import Counters
 from flame.data.sources import DocumentStream, plan_source
 
-from corpora import TOKENIZER, data_config, write_docs
+from tests.data.corpora import TOKENIZER, data_config, write_docs
 
 GOOD = [f"good document number {i}" for i in range(6)]
 BAD_LINES = [  # (raw jsonl line, reason it is skipped)

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from flame.data import build_eval_loader, build_train_loader
 from flame.data.config import DataConfig, SourceConfig
 
-from corpora import TOKENIZER, data_config, make_corpus, write_docs
+from tests.data.corpora import TOKENIZER, data_config, make_corpus, write_docs
 
 
 def loader(cfg, rank=0, world=1, seq_len=64, batch_size=2, seed=7):

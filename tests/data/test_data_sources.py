@@ -10,7 +10,7 @@ from flame.data.config import SourceConfig
 from flame.data.counters import Counters
 from flame.data.sources import DocumentStream, plan_source
 
-from corpora import make_corpus, write_docs
+from tests.data.corpora import make_corpus, write_docs
 
 
 def streams(path: str, n_readers: int, fmt: str = "auto", seed: int = 0):
