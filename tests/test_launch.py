@@ -1,4 +1,5 @@
-"""scripts/launch.sh runs a real job: 2 CPU processes under torchrun/gloo, metrics and logs in the run folder."""
+"""scripts/launch.sh runs the tiny default config for real: 2 CPU processes under torchrun/gloo on the bundled
+sample text, metrics, eval, checkpoints and per-rank logs in the run folder."""
 
 import math
 import subprocess
@@ -16,8 +17,10 @@ def test_launch_two_cpu_processes(tmp_path):
          "--training.seq_len=64", "--lr_scheduler.warmup_steps=1"],
         cwd=REPO, env=dict(env(), NPROC="2"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    records = read_metrics(dump)
+    records = [r for r in read_metrics(dump) if "loss" in r]
+    evals = [r for r in read_metrics(dump) if "eval_loss" in r]
     assert [r["step"] for r in records] == [2, 4]
+    assert [r["step"] for r in evals] == [4] and math.isfinite(evals[0]["eval_loss"])  # validation at the end
     for r in records:
         assert REQUIRED <= r.keys()
         assert math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 and r["mfu"] is None  # no MFU on CPU
