@@ -96,6 +96,18 @@ def profile(fn, inputs, label):
         print(f"   {ms:8.3f} ms  {name[:90]}")
 
 
+def sweep(mod, inputs):
+    """Our scan kernels' V tile and warps (the defaults are set in kernels/rwkv7/__init__.py)."""
+    default = (mod.SCAN_BV, mod.SCAN_WARPS)
+    for bv in (16, 32, 64):
+        for nw in (2, 4, 8):
+            mod.SCAN_BV, mod.SCAN_WARPS = bv, nw
+            f_ms, _ = bench(ours, inputs, False)
+            fb_ms, _ = bench(ours, inputs, True)
+            print(f"   sweep BV={bv} warps={nw}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+    mod.SCAN_BV, mod.SCAN_WARPS = default
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
@@ -111,32 +123,23 @@ def main():
     rows = []
     for B, T, H, D in shapes:
         inputs = make(B, T, H, D)
-        tokens = B * T
         cands = [("ours chunk_rwkv7", ours)] + ([("FLA 0.6.0 chunk_rwkv7", fla)] if fla else []) \
             + [("SDPA flash (causal)", sdpa)]
         res = {}
         for name, fn in cands:
-            f_ms, f_mem = bench(fn, inputs, False)
+            f_ms, _ = bench(fn, inputs, False)
             fb_ms, fb_mem = bench(fn, inputs, True)
             res[name] = (f_ms, fb_ms, fb_mem)
             print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+            if name.startswith("ours") and args.sweep:
+                sweep(mod, inputs)
+            if args.profile and name != "SDPA flash (causal)":
+                profile(fn, inputs, f"{name} B={B} T={T}")
         for name, (f_ms, fb_ms, mem) in res.items():
             ref = res.get("FLA 0.6.0 chunk_rwkv7")
             ratio = f"{ref[1] / fb_ms:5.2f}x" if ref else "  n/a"
             rows.append(f"| B={B} T={T} H={H} D={D} | {name:22s} | {f_ms:8.3f} | {fb_ms:8.3f} | "
-                        f"{tokens / fb_ms / 1e3:8.2f} | {mem:8.0f} | {ratio} |")
-        if args.sweep:
-            for bv in (16, 32, 64):
-                for nw in (2, 4, 8):
-                    mod.SCAN_BV, mod.SCAN_WARPS = bv, nw
-                    f_ms, _ = bench(ours, inputs, False)
-                    fb_ms, _ = bench(ours, inputs, True)
-                    print(f"   sweep BV={bv} warps={nw}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
-            mod.SCAN_BV, mod.SCAN_WARPS = None, 4
-        if args.profile:
-            profile(ours, inputs, f"ours B={B} T={T}")
-            if fla:
-                profile(fla, inputs, f"FLA B={B} T={T}")
+                        f"{B * T / fb_ms / 1e3:8.2f} | {mem:8.0f} | {ratio} |")
     print("\n| shape | kernel | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | fwd+bwd peak MiB | FLA / this (fwd+bwd) |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))

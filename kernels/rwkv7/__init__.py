@@ -45,8 +45,8 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     Uv = torch.empty(1, T, H, V, **f32)
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
-                       H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))), PREC=PREC,
-                       num_warps=4)
+                       H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
+                       LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=4)
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
@@ -79,8 +79,8 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dv = torch.empty_like(v)
     _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                         dr, dw, dk, dv, da, db, scale,
-                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))), PREC=PREC,
-                        num_warps=4)
+                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
+                        LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=4)
     return dr, dw, dk, dv, da, db, dh0
 
 

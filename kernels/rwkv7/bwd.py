@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, load_rows, pick_col, pick_row, store_rows
+from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, decay_on, diag_of, level_split, load_rows, store_rows
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
 def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                dr, dw, dk, dv, da, db, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
@@ -123,30 +123,33 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     dA_ak = tl.where(strict, dA_ak, 0.)
     d_gC = d_gC * tl.exp(gC)
 
-    # Pairwise matrices back to their factors, one column s at a time (same masked decays as the forward).
-    dr_p = tl.zeros([BT, BK], dtype=tl.float32)
+    # Pairwise matrices back to their factors, level by level as in the forward:
+    # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t, plus the diagonal.
+    d_rb = diag_of(dA_rb, rows, cb)[:, None]
+    d_rk = diag_of(dA_rk, rows, cb)[:, None]
+    dr_p = d_rb * b_b + d_rk * b_k
+    db_p = d_rb * b_r
+    dk_p = d_rk * b_r
     da_p = tl.zeros([BT, BK], dtype=tl.float32)
-    db_p = tl.zeros([BT, BK], dtype=tl.float32)
-    dk_p = tl.zeros([BT, BK], dtype=tl.float32)
-    for s in range(BT):
-        g_s = pick_row(g, rows, s)
-        b_s = pick_row(b_b, rows, s)
-        k_s = pick_row(b_k, rows, s)
-        on_i = rows[:, None] >= s
-        on_x = rows[:, None] > s
-        e_i = tl.where(on_i, tl.exp(tl.where(on_i, g - g_s[None, :], 0.)), 0.)
-        e_x = tl.where(on_x, tl.exp(tl.where(on_x, ge - g_s[None, :], 0.)), 0.)
-        c_rb = pick_col(dA_rb, cb, s)[:, None]
-        c_rk = pick_col(dA_rk, cb, s)[:, None]
-        c_ab = pick_col(dA_ab, cb, s)[:, None]
-        c_ak = pick_col(dA_ak, cb, s)[:, None]
-        dr_p += (c_rb * b_s[None, :] + c_rk * k_s[None, :]) * e_i
-        da_p += (c_ab * b_s[None, :] + c_ak * k_s[None, :]) * e_x
-        re = b_r * e_i
-        ae = b_a * e_x
-        sel = rows[:, None] == s
-        db_p = tl.where(sel, tl.sum(c_rb * re + c_ab * ae, axis=0)[None, :], db_p)
-        dk_p = tl.where(sel, tl.sum(c_rk * re + c_ak * ae, axis=0)[None, :], dk_p)
+    for lvl in tl.static_range(LEVELS):
+        g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
+        e_r = decay_on(second, g - g_ref)
+        e_a = decay_on(second, ge - g_ref)
+        e_col = decay_on(first, g_ref - g)
+        r_hat = b_r * e_r
+        a_hat = b_a * e_a
+        b_hat = b_b * e_col
+        k_hat = b_k * e_col
+        m_rb = tl.where(pair, dA_rb, 0.)
+        m_rk = tl.where(pair, dA_rk, 0.)
+        m_ab = tl.where(pair, dA_ab, 0.)
+        m_ak = tl.where(pair, dA_ak, 0.)
+        dr_p += e_r * (tl.dot(m_rb, b_hat, input_precision=PREC) + tl.dot(m_rk, k_hat, input_precision=PREC))
+        da_p += e_a * (tl.dot(m_ab, b_hat, input_precision=PREC) + tl.dot(m_ak, k_hat, input_precision=PREC))
+        db_p += e_col * (tl.dot(tl.trans(m_rb), r_hat, input_precision=PREC)
+                         + tl.dot(tl.trans(m_ab), a_hat, input_precision=PREC))
+        dk_p += e_col * (tl.dot(tl.trans(m_rk), r_hat, input_precision=PREC)
+                         + tl.dot(tl.trans(m_ak), a_hat, input_precision=PREC))
 
     b_dr = dr_p + scale * d_rdec * tl.exp(g)
     b_da = da_p + d_adec * tl.exp(ge)

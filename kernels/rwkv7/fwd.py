@@ -2,9 +2,10 @@
 
 Two launches:
   _fwd_prep  (one program per chunk and head, all chunks at once): cumulative log decays, the pairwise chunk
-             matrices A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the state-independent W = T a~, Uv = T A_ak v;
+             matrices (by halving, one product per level) A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the state-independent W = T a~, Uv = T A_ak v;
   _fwd_scan  (one program per sequence, head and V tile, chunks in order): U = W S + Uv, the output, the next state.
-Every exp() argument is <= 0 by construction: masked pairs are replaced by 0 before the exp and the result by 0 after.
+Every exp() argument is <= 0 by construction: masked entries are replaced by 0 before the exp and the result by 0
+after.
 Inputs are packed sequences [1, T_total, H, *]; states and everything the backward reuses are fp32.
 """
 
@@ -29,15 +30,30 @@ def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_
 
 
 @triton.jit
-def pick_row(x, rows, s):
-    """Row s of a register tile x [BT, N] as a vector [N]."""
-    return tl.sum(tl.where(rows[:, None] == s, x, 0.), axis=0)
+def diag_of(x, rows, cols):
+    """Diagonal of a square register tile as a vector."""
+    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.), axis=1)
 
 
 @triton.jit
-def pick_col(x, cols, s):
-    """Column s of a register tile x [M, BT] as a vector [M]."""
-    return tl.sum(tl.where(cols[None, :] == s, x, 0.), axis=1)
+def level_split(g, rows, cols, BS: tl.constexpr):
+    """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its
+    first half). Returns g at each row's reference (the last row of its block's first half), the half masks and the
+    pair mask. g_ref is a row gather, done as an exact fp32 product with a one-hot matrix."""
+    ref = (rows // BS) * BS + BS // 2 - 1
+    onehot = tl.where(ref[:, None] == cols[None, :], 1., 0.)
+    g_ref = tl.dot(onehot, g, input_precision="ieee")
+    second = ((rows % BS) >= BS // 2)[:, None]
+    first = ((rows % BS) < BS // 2)[:, None]
+    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
+        & ((cols[None, :] % BS) < BS // 2)
+    return g_ref, second, first, pair
+
+
+@triton.jit
+def decay_on(mask, diff):
+    """exp(diff) where mask holds (diff <= 0 there), 0 elsewhere; the exp never sees an unmasked value."""
+    return tl.where(mask, tl.exp(tl.where(mask, diff, 0.)), 0.)
 
 
 @triton.jit
@@ -59,7 +75,7 @@ def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
 @triton.jit
 def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
@@ -76,32 +92,32 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
     b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
     g, ge, gC = chunk_decays(b_w)
 
-    # Pairwise matrices, one column s at a time, each decay exp(g_t - g_s) or exp(ge_t - g_s) on its mask only.
-    A_rb = tl.zeros([BT, BT], dtype=tl.float32)
-    A_rk = tl.zeros([BT, BT], dtype=tl.float32)
+    # Pairwise matrices A_xy[t, s] = sum_k x_tk y_sk exp(gx_tk - g_sk) by halving: at each level, a pair (t, s)
+    # straddling the middle of its block factors through that middle row m as exp(gx_t - g_m) * exp(g_m - g_s),
+    # both <= 0, so each level is one matrix product; the diagonal (t = s, decay 1) is added apart.
+    eye = rows[:, None] == cb[None, :]
+    A_rb = tl.where(eye, tl.sum(b_r * b_b, axis=1)[:, None], 0.)
+    A_rk = tl.where(eye, tl.sum(b_r * b_k, axis=1)[:, None], 0.)
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
     A_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    for s in range(BT):
-        g_s = pick_row(g, rows, s)
-        b_s = pick_row(b_b, rows, s)
-        k_s = pick_row(b_k, rows, s)
-        on_i = rows[:, None] >= s
-        on_x = rows[:, None] > s
-        e_i = tl.where(on_i, tl.exp(tl.where(on_i, g - g_s[None, :], 0.)), 0.)
-        e_x = tl.where(on_x, tl.exp(tl.where(on_x, ge - g_s[None, :], 0.)), 0.)
-        re = b_r * e_i
-        ae = b_a * e_x
-        sel = cb[None, :] == s
-        A_rb = tl.where(sel, tl.sum(re * b_s[None, :], axis=1)[:, None], A_rb)
-        A_rk = tl.where(sel, tl.sum(re * k_s[None, :], axis=1)[:, None], A_rk)
-        A_ab = tl.where(sel, tl.sum(ae * b_s[None, :], axis=1)[:, None], A_ab)
-        A_ak = tl.where(sel, tl.sum(ae * k_s[None, :], axis=1)[:, None], A_ak)
+    for lvl in tl.static_range(LEVELS):
+        g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
+        r_hat = b_r * decay_on(second, g - g_ref)
+        a_hat = b_a * decay_on(second, ge - g_ref)
+        e_col = decay_on(first, g_ref - g)
+        b_hat = tl.trans(b_b * e_col)
+        k_hat = tl.trans(b_k * e_col)
+        A_rb += tl.where(pair, tl.dot(r_hat, b_hat, input_precision=PREC), 0.)
+        A_rk += tl.where(pair, tl.dot(r_hat, k_hat, input_precision=PREC), 0.)
+        A_ab += tl.where(pair, tl.dot(a_hat, b_hat, input_precision=PREC), 0.)
+        A_ak += tl.where(pair, tl.dot(a_hat, k_hat, input_precision=PREC), 0.)
 
-    # T = (I - A_ab)^{-1} by forward substitution: row i = e_i + sum_{j<i} A_ab[i, j] T[j, :].
-    T = tl.where(rows[:, None] == cb[None, :], 1., 0.)
-    for i in range(1, BT):
-        m_i = pick_row(A_ab, rows, i)
-        T = tl.where(rows[:, None] == i, T + tl.sum(m_i[:, None] * T, axis=0)[None, :], T)
+    # T = (I - A_ab)^{-1} = (I + A)(I + A^2)(I + A^4)... (A is nilpotent: A^BT = 0), exact fp32 products.
+    T = tl.where(eye, 1., 0.) + A_ab
+    P = A_ab
+    for _ in tl.static_range(LEVELS - 1):
+        P = tl.dot(P, P, input_precision="ieee")
+        T = T + tl.dot(T, P, input_precision="ieee")
 
     store_rows(Arb, A_rb, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
