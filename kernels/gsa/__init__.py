@@ -1,0 +1,146 @@
+"""GSA (Gated Slot Attention): two gated linear-attention passes joined by a softmax over M memory slots, chunked.
+
+    o, final_state = chunk_gsa(q, k, v, s, g, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, backend=None)
+
+q, k: [B, T, H, K]; v: [B, T, H, V]; s (slot writes), g (log forget gate, <= 0; computed and used in fp32):
+[B, T, H, M]. scale None means K^-0.5. States are a pair (Hk [N, H, K, M], Hv [N, H, M, V]), fp32. cu_seqlens [N+1]
+packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU tensors to the PyTorch chunked path;
+backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU tensors under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gsa.naive import naive_gsa
+from kernels.gsa.torch_chunk import chunk_gsa_torch
+from kernels.utils import as_varlen, chunk_tables, next_pow2
+
+__all__ = ["chunk_gsa", "naive_gsa", "chunk_gsa_torch"]
+
+# Chunk length (a power of two >= 16; the pairwise decays take log2(CHUNK) levels). Fixed configs instead of
+# autotuning: a first call compiles each kernel once. scripts/bench_gsa.py --sweep times the alternatives.
+CHUNK = 32
+# fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
+PREC = "tf32"
+SCAN_BD: int | None = None   # D tile of the state scans (None: by heuristic)
+SCAN_WARPS = 4
+CHUNK_WARPS = 4
+
+
+def _tile(D: int) -> int:
+    return min(64, max(16, next_pow2(D)))
+
+
+def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
+    """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends)."""
+    from kernels.gsa.fwd import _state_scan
+
+    chunk_offsets, _, NT = tables
+    H, M, D = g.shape[2], g.shape[3], x.shape[3]
+    N = cu.numel() - 1
+    hs = torch.empty(NT, H, M, D, device=x.device, dtype=torch.float32)
+    ht = torch.empty(N, H, M, D, device=x.device, dtype=torch.float32) if want_ht else None
+    BD = SCAN_BD or _tile(D)
+    _state_scan[(N, H, triton.cdiv(D, BD))](w, g, x, cu, chunk_offsets, h0, hs, ht,
+                                            H=H, M=M, D=D, BT=CHUNK, BM=_tile(M), BD=BD, REVERSE=reverse,
+                                            HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC,
+                                            num_warps=SCAN_WARPS)
+    return hs, ht
+
+
+def _dims(q, v, s):
+    K, V, M = q.shape[-1], v.shape[-1], s.shape[-1]
+    return dict(H=q.shape[2], K=K, V=V, M=M, BT=CHUNK, BK=_tile(K), BV=_tile(V), BM=_tile(M),
+                LEVELS=CHUNK.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
+
+
+def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
+    from kernels.gsa.fwd import _fwd_out
+
+    hk, hkt = _scan(s, g, k, cu, tables, hk0, want_ht, False)
+    hv, hvt = _scan(s, g, v, cu, tables, hv0, want_ht, False)
+    o = torch.empty_like(v)
+    _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, scale, **_dims(q, v, s))
+    return o, hkt, hvt
+
+
+def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt):
+    from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
+
+    hk, _ = _scan(s, g, k, cu, tables, hk0, False, False)
+    hv, _ = _scan(s, g, v, cu, tables, hv0, False, False)
+    grid = (tables[2], q.shape[2])
+    f32 = dict(device=q.device, dtype=torch.float32)
+    p, dz, dg = (torch.empty(g.shape, **f32) for _ in range(3))
+    dq = torch.empty_like(q)
+    _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dq, p, dz, dg, scale, **_dims(q, v, s))
+    dhk, dhk0 = _scan(dz, g, q, cu, tables, dhkt, hk0 is not None, True)
+    dhv, dhv0 = _scan(p, g, do, cu, tables, dhvt, hv0 is not None, True)
+    dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
+    _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dk, dv, ds, dg, **_dims(q, v, s))
+    return dq, dk, dv, ds, dg, dhk0, dhv0
+
+
+class _ChunkGSA(torch.autograd.Function):
+    """Packed inputs [1, T, H, *]; states in the kernels' layout: Hk^T [N, H, M, K] and Hv [N, H, M, V]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu):
+        tables = chunk_tables(cu, CHUNK)
+        o, hkt, hvt = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables)
+        # only the inputs are kept: the backward rescans the chunk states (cheap) instead of holding them
+        ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu)
+        ctx.tables, ctx.scale = tables, scale
+        return o, hkt, hvt
+
+    @staticmethod
+    def backward(ctx, do, dhkt, dhvt):
+        q, k, v, s, g, hk0, hv0, cu = ctx.saved_tensors
+        c = lambda x: None if x is None else x.contiguous()  # noqa: E731
+        dq, dk, dv, ds, dg, dhk0, dhv0 = _bwd(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.tables,
+                                              do.contiguous(), c(dhkt), c(dhvt))
+        return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None
+
+
+def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens):
+    B, T, H, K = q.shape
+    V, M = v.shape[-1], s.shape[-1]
+    if cu_seqlens is not None:
+        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+    assert CHUNK >= 16 and CHUNK & (CHUNK - 1) == 0, "CHUNK must be a power of two >= 16"
+    cu = as_varlen(B, T, cu_seqlens, q.device)
+    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    # The gate stays fp32 whatever the model's dtype (bf16 log gates near 0 lose the slow slots).
+    q_, k_, v_, s_ = (flat(x) for x in (q, k, v, s))
+    g_ = flat(g.float())
+    hk0 = hv0 = None
+    if initial_state is not None:
+        hk0 = initial_state[0].float().transpose(-1, -2).contiguous()
+        hv0 = initial_state[1].float().contiguous()
+    o, hkt, hvt = _ChunkGSA.apply(q_, k_, v_, s_, g_, float(scale), hk0, hv0, bool(output_final_state), cu)
+    final = (hkt.transpose(-1, -2), hvt) if output_final_state else None
+    return o.reshape(B, T, H, V), final
+
+
+def chunk_gsa(q, k, v, s, g, scale: float | None = None, initial_state=None, output_final_state: bool = False,
+              cu_seqlens=None, backend: str | None = None):
+    """GSA over packed or batched sequences: returns (o [B, T, H, V] in v's dtype, (Hk, Hv) fp32 or None)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if initial_state is not None and (len(initial_state) != 2 or any(x is None for x in initial_state)):
+        raise ValueError("initial_state must be a pair (Hk [N, H, K, M], Hv [N, H, M, V])")
+    if backend is None:
+        backend = "triton" if q.is_cuda and triton is not None else "torch"
+    if backend == "torch":
+        return chunk_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
+    if backend != "triton":
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    return _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
+
+
+try:
+    import triton
+except ImportError:  # the torch path needs no Triton
+    triton = None

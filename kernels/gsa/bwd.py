@@ -1,0 +1,122 @@
+"""Triton backward of chunked GSA (derivation in README.md).
+
+Chunk-start states are recomputed by the forward's _state_scan (nothing but the inputs is kept between passes).
+  _bwd_dz     (per chunk and head): recomputes the slot logits and p, forms dp and the softmax backward
+              dZr = scale dZ, dq, and the row part of the log-gate gradient; stores p and dZr for the next steps.
+  _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32), twice:
+              (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the initial-state gradients.
+  _bwd_dkvsg  (per chunk and head): dk, dv, ds and the log gate (reverse cumulative sum within the chunk).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, load_rows, load_state, pair_matrix,
+                             slot_logits, slot_softmax, store_rows)
+
+
+@triton.jit
+def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, dq, p_out, dz_out, dg, scale,
+            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
+            BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    G = tl.cumsum(b_g, axis=0)
+    eG = tl.exp(G)
+    hbase = (i_c * H + i_h).to(tl.int64) * M
+    Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
+                         H, K, M, BT, BK, BM, LEVELS, PREC)
+    P = slot_softmax(scale * Zr, m_t, m_m)
+    # dp_t = e^{G_t} (Hv_0 do_t) + sum_{s<=t} (do_t . v_s) e^{G_t - G_s} s_s
+    D2 = tl.zeros([BT, BT], dtype=tl.float32)
+    dPH = tl.zeros([BT, BM], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
+        D2 += tl.dot(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), input_precision=PREC)
+        dPH += tl.dot(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), input_precision=PREC)
+    dP = eG * dPH + gated_sum(D2, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
+    # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
+    store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
+    store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
+    store_rows(dz_out, dZr, tok, i_h, H, M, cm, m_t, m_m)
+    # dq = (dZr e^{G}) Hk^T_0 + dA1 k, dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]
+    dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    dZe = dZr * eG
+    for i_k in range(tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        b_dq = tl.dot(dZe, load_state(hk, hbase * K, cm, ck, K, m_m, m_k), input_precision=PREC) \
+            + tl.dot(dA1, load_rows(k, tok, i_h, H, K, ck, m_t, m_k), input_precision=PREC)
+        store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
+
+
+@triton.jit
+def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in, dk, dv, ds, dg,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    GC = tl.sum(b_g, axis=0)
+    e_end = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))   # e^{sum_{j>t} g_j}: decay to the chunk end
+    s_end = b_s * e_end
+    P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
+    dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
+    A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    hbase = (i_c * H + i_h).to(tl.int64) * M
+    A1 = tl.zeros([BT, BT], dtype=tl.float32)
+    D2 = tl.zeros([BT, BT], dtype=tl.float32)
+    dS_end = tl.zeros([BT, BM], dtype=tl.float32)   # ds through the chunk-end states, before e^{G_C - G}
+    dGC = tl.zeros([BM], dtype=tl.float32)           # through e^{G_C} on the chunk-start states
+    for i_k in range(tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
+        b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+        b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
+        A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
+        dGC += tl.sum(load_state(hk, hbase * K, cm, ck, K, m_m, m_k) * b_dh, axis=1)
+        b_dk = tl.dot(tl.trans(dA1), b_q, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
+        store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        b_dh = load_state(dhv, hbase * V, cm, cv, V, m_m, m_v)
+        D2 += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
+        dGC += tl.sum(load_state(hv, hbase * V, cm, cv, V, m_m, m_v) * b_dh, axis=1)
+        b_dv = tl.dot(tl.trans(A2), b_do, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
+        store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
+    dS_end = dS_end * e_end
+    b_ds = dS_end + gated_sum_t(A1, dZr, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC) \
+        + gated_sum_t(D2, P, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row
+    dGC = dGC * tl.exp(GC) + tl.sum(b_s * dS_end, axis=0)
+    dG = load_rows(dg, tok, i_h, H, M, cm, m_t, m_m) - b_s * b_ds \
+        + tl.where(rows[:, None] == BT - 1, dGC[None, :], 0.)
+    store_rows(ds, b_ds, tok, i_h, H, M, cm, m_t, m_m)
+    store_rows(dg, tl.cumsum(dG, axis=0, reverse=True), tok, i_h, H, M, cm, m_t, m_m)

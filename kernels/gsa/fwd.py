@@ -1,0 +1,219 @@
+"""Triton forward of chunked GSA (math and notation in README.md), and the pieces the backward shares.
+
+Two launches:
+  _state_scan  (per sequence, head and D tile, chunks in order): H <- diag(e^{G_C}) H + (s e^{G_C - G})^T X for
+               X = k (the key state, kept as Hk^T, M x K) and X = v (the value state, M x V); it stores the state at
+               the start of every chunk. With REVERSE it runs the backward's state-gradient recursion instead.
+  _fwd_out     (per chunk and head, all chunks at once): slot logits, the softmax over slots, the output.
+Every exp() argument is a sum of log gates (<= 0), never a difference of two cumulative sums: e^{G_t},
+e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums. Masked
+entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed sequences [1, T_total, H, *]; states, gates and softmax are fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    """[BT, BD] rows `tok` of head i_h from a [T, H, D] tensor, as fp32 (zeros outside the masks)."""
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
+    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def load_state(ptr, base, cm, cd, D: tl.constexpr, m_m, m_d):
+    """[BM, BD] tile of an fp32 [M, D] state at element offset `base` (always M rows, whatever D and BD are)."""
+    return tl.load(ptr + base + cm[:, None] * D + cd[None, :], mask=m_m[:, None] & m_d[None, :], other=0.)
+
+
+@triton.jit
+def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
+    """First token of global chunk i_c and the end of its sequence."""
+    i_n = tl.load(chunk_index + 2 * i_c)
+    i_t = tl.load(chunk_index + 2 * i_c + 1)
+    return tl.load(cu + i_n) + i_t * BT, tl.load(cu + i_n + 1)
+
+
+@triton.jit
+def diag_of(x, rows, cols):
+    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.), axis=1)
+
+
+@triton.jit
+def decay_on(mask, diff):
+    """exp(diff) where mask holds (diff <= 0 there), 0 elsewhere; the exp never sees an unmasked value."""
+    return tl.where(mask, tl.exp(tl.where(mask, diff, 0.)), 0.)
+
+
+@triton.jit
+def load_gates(g, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, eos, rows, BT: tl.constexpr):
+    """The chunk's log gates g [BT, BM] and the next row's gn (gn[t] = g[t+1] inside the chunk, 0 on its last row),
+    loaded shifted so that exclusive sums are plain sums: no exponent is ever a difference of two cumulative sums
+    (a difference of two large sums keeps only their absolute precision). Padded rows and slots read 0."""
+    b_g = load_rows(g, tok, i_h, H, M, cm, m_t, m_m)
+    b_gn = load_rows(g, tok + 1, i_h, H, M, cm, (rows < BT - 1) & (tok + 1 < eos), m_m)
+    return b_g, b_gn
+
+
+@triton.jit
+def level(b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
+    """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its first
+    half) factor through the block's middle as e^{sum_{r<j<=t} g_j} e^{sum_{s<j<=r} g_j} (r: the first half's last
+    row). Both exponents are sums of gates <= 0, summed within BS/2-row segments. Returns the row factor, the column
+    factor and the pair mask."""
+    HALF: tl.constexpr = BS // 2
+    if HALF == 1:   # pairs of neighbours: the row factor is e^{g_t}, the column factor 1
+        inc = b_g
+        rev = tl.zeros([BT, BM], dtype=tl.float32)
+    else:
+        inc = tl.reshape(tl.cumsum(tl.reshape(b_g, [BT // HALF, HALF, BM]), axis=1), [BT, BM])
+        gn = tl.where((rows % HALF != HALF - 1)[:, None], b_gn, 0.)
+        rev = tl.reshape(tl.cumsum(tl.reshape(gn, [BT // HALF, HALF, BM]), axis=1, reverse=True), [BT, BM])
+    second = ((rows % BS) >= HALF)[:, None]
+    first = ((rows % BS) < HALF)[:, None]
+    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= HALF) \
+        & ((cols[None, :] % BS) < HALF)
+    return decay_on(second, inc), decay_on(first, rev), pair
+
+
+@triton.jit
+def gated_sum(A, X, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
+              PREC: tl.constexpr):
+    """Y[t, m] = sum_{s<=t} A[t, s] e^{G[t,m] - G[s,m]} X[s, m]. A's upper triangle is never read."""
+    Y = diag_of(A, rows, cols)[:, None] * X
+    for lvl in tl.static_range(LEVELS):
+        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
+        Y += e_row * tl.dot(tl.where(pair, A, 0.), X * e_col, input_precision=PREC)
+    return Y
+
+
+@triton.jit
+def gated_sum_t(A, R, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
+                PREC: tl.constexpr):
+    """Y[s, m] = sum_{t>=s} A[t, s] e^{G[t,m] - G[s,m]} R[t, m] (the transpose of gated_sum)."""
+    Y = diag_of(A, rows, cols)[:, None] * R
+    for lvl in tl.static_range(LEVELS):
+        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
+        Y += e_col * tl.dot(tl.trans(tl.where(pair, A, 0.)), R * e_row, input_precision=PREC)
+    return Y
+
+
+@triton.jit
+def pair_matrix(X, Y, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
+                PREC: tl.constexpr):
+    """A[t, s] = sum_m X[t, m] Y[s, m] e^{G[t,m] - G[s,m]} on s <= t, 0 above the diagonal."""
+    A = tl.where(rows[:, None] == cols[None, :], tl.sum(X * Y, axis=1)[:, None], 0.)
+    for lvl in tl.static_range(LEVELS):
+        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
+        A += tl.where(pair, tl.dot(X * e_row, tl.trans(Y * e_col), input_precision=PREC), 0.)
+    return A
+
+
+@triton.jit
+def slot_logits(q, k, hk, hbase, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
+                H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    """Unscaled slot logits Zr = q Hk_t of a chunk ([BT, BM]) and A1 = q k^T: the chunk-start state Hk^T (M x K)
+    decayed to each row plus the chunk's own writes."""
+    A1 = tl.zeros([BT, BT], dtype=tl.float32)
+    QH = tl.zeros([BT, BM], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        m_k = ck < K
+        b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
+        b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+        A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        QH += tl.dot(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), input_precision=PREC)
+    return tl.exp(G) * QH + gated_sum(A1, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC), A1
+
+
+@triton.jit
+def slot_softmax(Z, m_t, m_m):
+    """Softmax over the M valid slots in fp32; padded slots and rows give 0 (they never meet an inf)."""
+    Z = tl.where(m_m[None, :], Z, float("-inf"))
+    E = tl.exp(Z - tl.max(Z, axis=1)[:, None])
+    P = E / tl.sum(E, axis=1)[:, None]
+    return tl.where(m_t[:, None] & m_m[None, :], P, 0.)
+
+
+@triton.jit
+def _state_scan(w, g, x, cu, chunk_offsets, h0, hs, ht,
+                H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                PREC: tl.constexpr):
+    """Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
+    REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
+              first; w = scale dZ with x = q, or w = p with x = do)."""
+    i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n)
+    eos = tl.load(cu + i_n + 1)
+    c0 = tl.load(chunk_offsets + i_n)
+    rows = tl.arange(0, BT)
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    cd = i_d * BD + tl.arange(0, BD)
+    m_d = cd < D
+    m_md = m_m[:, None] & m_d[None, :]
+    s_off = cm[:, None] * D + cd[None, :]
+    S = tl.zeros([BM, BD], dtype=tl.float32)
+    if HAS_H0:
+        S = load_state(h0, (i_n * H + i_h).to(tl.int64) * M * D, cm, cd, D, m_m, m_d)
+    nt = tl.cdiv(eos - bos, BT)
+    for j in range(nt):
+        if REVERSE:
+            i_t = nt - 1 - j
+        else:
+            i_t = j
+        tok = bos + i_t * BT + rows
+        m_t = tok < eos
+        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)   # padded rows: g = w = x = 0
+        GC = tl.sum(b_g, axis=0)
+        if REVERSE:
+            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_g, axis=0))
+        else:
+            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
+        b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
+        tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
+        S = tl.exp(GC)[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
+
+
+@triton.jit
+def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, scale,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    G = tl.cumsum(b_g, axis=0)
+    hbase = (i_c * H + i_h).to(tl.int64) * M
+    Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
+                         H, K, M, BT, BK, BM, LEVELS, PREC)
+    P = slot_softmax(scale * Zr, m_t, m_m)
+    # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
+    A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    Pe = P * tl.exp(G)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        b_o = tl.dot(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), input_precision=PREC) \
+            + tl.dot(A2, b_v, input_precision=PREC)
+        store_rows(o, b_o, tok, i_h, H, V, cv, m_t, m_v)

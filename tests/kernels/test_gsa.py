@@ -1,0 +1,269 @@
+"""GSA chunked kernels against the fp64 token-by-token recurrence.
+
+CPU: the PyTorch chunked path, and the Triton kernel under TRITON_INTERPRET=1 (fp32; small shapes, the interpreter is
+slow). GPU (`-m gpu`): the Triton kernel in bf16 over the broad shape sweep. Metric: RMSE(x - ref) / RMS(ref) for the
+output, both final states and the gradients of q, k, v, s, g and both initial states.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.gsa import chunk_gsa, naive_gsa
+from kernels.gsa.torch_chunk import chunk_gsa_torch
+
+CPU_TOL = 1e-5
+GPU_TOL = 5e-3
+NAMES = ("o", "hk", "hv", "dq", "dk", "dv", "ds", "dg", "dhk0", "dhv0")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The recurrences are thousands of tiny ops: threads only add overhead on a busy 2-core CI machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_inputs(B, T, H, K, V, M, *, device="cpu", dtype=torch.float32, decay="model", seed=0, n_seq=None):
+    """GSA-shaped inputs: swish q, k; slot writes s in (0, 1); log forget gate g <= 0 (fp32); random states."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *sh: torch.randn(*sh, generator=gen)  # noqa: E731
+    q, k, v = F.silu(rnd(B, T, H, K)), F.silu(rnd(B, T, H, K)), rnd(B, T, H, V)
+    s = torch.sigmoid(rnd(B, T, H, M))   # independent of g here, so ds and dg are checked apart
+    if decay == "model":      # the GSA layer's gate: logsigmoid(.) / 8
+        g = F.logsigmoid(2 * rnd(B, T, H, M)) / 8
+    elif decay == "wide":     # 3e-4 .. 4.5 per step
+        g = -torch.exp(torch.empty(B, T, H, M).uniform_(-8, 1.5, generator=gen))
+    elif decay == "stress":   # -1e-6 (decay ~ 1) down to -50, mixed in every row and along time
+        g = -torch.exp(torch.empty(B, T, H, M).uniform_(math.log(1e-6), math.log(50.0), generator=gen))
+        g[:, ::7] = -1e-6
+        g[:, 3::11] = -50.0
+    else:
+        raise ValueError(decay)
+    xs = [q, k, v, s, g]
+    xs = [x.to(device=device, dtype=torch.float32 if i == 4 else dtype) for i, x in enumerate(xs)]
+    N = B if n_seq is None else n_seq
+    h0 = (0.5 * rnd(N, H, K, M)).to(device), rnd(N, H, M, V).to(device)
+    return xs, h0
+
+
+def run(fn, xs, h0, scale, cu_seqlens=None, seed=1, final=True, **kw):
+    """(outputs, grads) of fn for a fixed random cotangent on o and on both final states."""
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    h0 = None if h0 is None else tuple(x.detach().clone().requires_grad_(True) for x in h0)
+    o, ht = fn(*xs, scale=scale, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o.device)
+    loss = (o.double() * do.double()).sum()
+    if final:
+        for h in ht:
+            loss = loss + (h.double() * torch.randn(h.shape, generator=gen).to(o.device).double()).sum()
+    loss.backward()
+    hs = [h.detach() for h in ht] if final else [None, None]
+    grads = [x.grad for x in xs] + ([None, None] if h0 is None else [h.grad for h in h0])
+    return [o.detach()] + hs + grads
+
+
+def naive(xs, h0, scale, cu_seqlens=None, final=True):
+    return run(naive_gsa, xs, h0, scale, cu_seqlens, final=final)
+
+
+def assert_close(got, ref, tol, what=""):
+    for name, x, y in zip(NAMES, got, ref):
+        if y is None:
+            assert x is None, f"{what} {name}: expected None"
+            continue
+        x, y = x.double().cpu(), y.double().cpu()
+        assert torch.isfinite(x).all(), f"{what} {name}: non-finite values"
+        err = ((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+        assert err <= tol, f"{what} {name}: RMSE/RMS = {err:.3e} > {tol:.0e}"
+
+
+@pytest.fixture
+def interp():
+    """chunk_gsa with backend='triton' on CPU tensors: needs TRITON_INTERPRET=1 from before Triton's import
+    (tests/kernels/conftest.py sets it on machines without CUDA)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU-only machines (TRITON_INTERPRET=1)")
+    return lambda *a, **kw: chunk_gsa(*a, backend="triton", **kw)
+
+
+def test_naive_fp64_matches_the_definition_step_by_step():
+    # Three steps of the recurrence written out by hand, one head: guards the reference itself.
+    xs, (hk0, hv0) = make_inputs(1, 3, 1, 4, 3, 5, decay="wide", seed=11)
+    q, k, v, s, g = (x[0, :, 0].double() for x in xs)
+    hk, hv = hk0[0, 0].double(), hv0[0, 0].double()
+    outs = []
+    for t in range(3):
+        hk = hk @ torch.diag(g[t].exp()) + torch.outer(k[t], s[t])
+        p = torch.softmax(0.7 * q[t] @ hk, dim=0)
+        hv = torch.diag(g[t].exp()) @ hv + torch.outer(s[t], v[t])
+        outs.append(hv.t() @ p)
+    o, (hk_n, hv_n) = naive_gsa(*xs, scale=0.7, initial_state=(hk0, hv0), output_final_state=True)
+    torch.testing.assert_close(o[0, :, 0], torch.stack(outs), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hk_n[0, 0], hk, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hv_n[0, 0], hv, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- CPU: PyTorch chunked path
+
+
+@pytest.mark.parametrize("B,T", [(2, 1), (2, 15), (2, 64), (2, 100), (1, 1000)])
+def test_torch_path_matches_naive(B, T):
+    xs, h0 = make_inputs(B, T, 2, 32, 32, 16, decay="wide", seed=T)
+    assert_close(run(chunk_gsa_torch, xs, h0, 0.5), naive(xs, h0, 0.5), CPU_TOL, f"T={T}")
+
+
+def test_torch_path_odd_sizes_default_scale():
+    xs, h0 = make_inputs(1, 45, 2, 20, 12, 24, seed=2)
+    assert_close(run(chunk_gsa_torch, xs, h0, None), naive(xs, h0, None), CPU_TOL, "odd sizes")
+
+
+def test_torch_path_is_the_cpu_default():
+    xs, h0 = make_inputs(1, 20, 1, 16, 16, 16)
+    o, ht = chunk_gsa(*xs, initial_state=h0, output_final_state=True)
+    o2, ht2 = chunk_gsa_torch(*xs, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht[0], ht2[0]) and torch.equal(ht[1], ht2[1])
+
+
+def test_torch_path_varlen():
+    cu = torch.tensor([0, 5, 37, 38, 100])
+    xs, h0 = make_inputs(1, 100, 2, 32, 16, 16, decay="wide", n_seq=4, seed=3)
+    assert_close(run(chunk_gsa_torch, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
+
+
+def test_torch_path_stress_decays_t4096():
+    # Log gates from -1e-6 to -50 mixed in one sequence: a factorized exp(G_t) * exp(-G_s) would overflow here.
+    xs, h0 = make_inputs(1, 4096, 1, 16, 16, 16, decay="stress", seed=4)
+    got = run(chunk_gsa_torch, xs, h0, 1.0)
+    with torch.no_grad():
+        o_ref, (hk_ref, hv_ref) = naive_gsa(*xs, scale=1.0, initial_state=h0, output_final_state=True)
+    assert_close(got[:3], [o_ref, hk_ref, hv_ref], CPU_TOL, "stress fwd vs naive")
+    # Gradients: the fp64 chunked path (checked against the naive recurrence above) is the reference at this
+    # length; autograd through 4096 naive steps would take a minute of CI.
+    ref = run(lambda *a, **kw: chunk_gsa_torch(*a, compute_dtype=torch.float64, **kw), xs, h0, 1.0)
+    assert_close(got, ref, CPU_TOL, "stress bwd")
+
+
+# ---------------------------------------------------------------- CPU: Triton kernel under the interpreter
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 15), (1, 64), (1, 100)])
+def test_triton_interpreter_matches_naive(B, T, interp):
+    xs, h0 = make_inputs(B, T, 2, 32, 32, 16, decay="wide", seed=T)
+    assert_close(run(interp, xs, h0, 0.5), naive(xs, h0, 0.5), CPU_TOL, f"T={T}")
+
+
+def test_triton_interpreter_varlen_no_states(interp):
+    # no initial state and no final state: the backward runs without dht and stores no dh0
+    cu = torch.tensor([0, 5, 37, 38, 100])
+    xs, _ = make_inputs(1, 100, 2, 32, 32, 16, decay="model", n_seq=4, seed=5)
+    assert_close(run(interp, xs, None, 1.0, cu, final=False), naive(xs, None, 1.0, cu, final=False), CPU_TOL,
+                 "varlen")
+
+
+def test_triton_interpreter_varlen_initial_state(interp):
+    cu = torch.tensor([0, 33, 40, 90])
+    xs, h0 = make_inputs(1, 90, 1, 16, 32, 32, decay="wide", n_seq=3, seed=6)
+    assert_close(run(interp, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), CPU_TOL, "varlen h0")
+
+
+def test_triton_interpreter_odd_sizes_default_scale(interp):
+    # K, V, M below and between the power-of-two tiles: every padded column must stay out of the softmax
+    xs, h0 = make_inputs(1, 45, 2, 20, 12, 24, seed=2)
+    assert_close(run(interp, xs, h0, None), naive(xs, h0, None), CPU_TOL, "odd sizes")
+
+
+@pytest.mark.parametrize("K,V", [(32, 32), (32, 128), (128, 32), (128, 128)])
+@pytest.mark.parametrize("M", [16, 64])
+def test_triton_interpreter_initial_state_kvm(K, V, M, interp):
+    xs, h0 = make_inputs(1, 20, 1, K, V, M, seed=K + V + M)
+    assert_close(run(interp, xs, h0, None), naive(xs, h0, None), CPU_TOL, f"K={K} V={V} M={M}")
+
+
+@pytest.mark.parametrize("chunk,bd", [(16, 16), (64, 64), (16, 64)])
+def test_triton_interpreter_block_sizes(chunk, bd, monkeypatch, interp):
+    # chunk sizes change the number of pairwise levels; D tiles smaller than K or V split the state scans
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "CHUNK", chunk)
+    monkeypatch.setattr(mod, "SCAN_BD", bd)
+    xs, h0 = make_inputs(1, 80, 1, 32, 128, 32, decay="wide", seed=chunk + bd)
+    assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, f"chunk={chunk} BD={bd}")
+
+
+def test_triton_interpreter_stress_decays(interp):
+    xs, h0 = make_inputs(1, 200, 1, 32, 32, 32, decay="stress", seed=7)
+    assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
+
+
+# ---------------------------------------------------------------- GPU: the Triton kernel in bf16
+
+gpu = pytest.mark.gpu
+
+
+def gpu_ref(xs, h0, scale, cu=None):
+    """fp64 naive recurrence on the GPU, or the fp64 chunked path past 4096 steps (checked against it on CPU)."""
+    if xs[0].shape[1] <= 4096:
+        return naive(xs, h0, scale, cu)
+    return run(lambda *a, **kw: chunk_gsa_torch(*a, compute_dtype=torch.float64, **kw), xs, h0, scale, cu)
+
+
+@gpu
+@pytest.mark.parametrize("B,T,H,K,V,M", [
+    (2, 1, 4, 64, 64, 64), (2, 15, 4, 64, 64, 64), (2, 64, 4, 64, 64, 64), (2, 100, 4, 64, 64, 64),
+    (2, 1000, 4, 64, 64, 64), (2, 4096, 2, 64, 64, 64), (1, 4096, 2, 256, 256, 64), (1, 16384, 2, 64, 64, 64)])
+def test_gpu_bf16_matches_naive(B, T, H, K, V, M):
+    xs, h0 = make_inputs(B, T, H, K, V, M, device="cuda", dtype=torch.bfloat16, seed=T + K)
+    got = run(chunk_gsa, xs, h0, None)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32 and got[-1].dtype == torch.float32
+    assert_close(got, gpu_ref(xs, h0, K ** -0.5), GPU_TOL, f"{B=} {T=} {H=} {K=} {V=} {M=}")
+
+
+@gpu
+@pytest.mark.parametrize("K,V", [(64, 64), (64, 128), (128, 64), (128, 256), (256, 128), (256, 256)])
+@pytest.mark.parametrize("M", [32, 64, 128])
+def test_gpu_initial_state_kvm(K, V, M):
+    xs, h0 = make_inputs(1, 300, 2, K, V, M, device="cuda", dtype=torch.bfloat16, seed=K * V + M)
+    assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"{K=} {V=} {M=}")
+
+
+@gpu
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("bd", [16, 64])
+def test_gpu_block_sizes(chunk, bd, monkeypatch):
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "CHUNK", chunk)
+    monkeypatch.setattr(mod, "SCAN_BD", bd)
+    xs, h0 = make_inputs(1, 300, 2, 128, 64, 64, device="cuda", dtype=torch.bfloat16, seed=chunk + bd)
+    assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"{chunk=} {bd=}")
+
+
+@gpu
+def test_gpu_varlen_many_sequences():
+    lens = [1, 15, 16, 17, 64, 100, 333, 1000, 7]
+    cu = torch.tensor([0] + lens).cumsum(0).cuda()
+    xs, h0 = make_inputs(1, sum(lens), 4, 64, 64, 64, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=8)
+    assert_close(run(chunk_gsa, xs, h0, None, cu), naive(xs, h0, None, cu), GPU_TOL, "varlen")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_stress_decays_t4096(dtype):
+    xs, h0 = make_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=dtype, decay="stress", seed=9)
+    assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"stress {dtype}")
+
+
+@gpu
+def test_gpu_matches_cpu_torch_path():
+    xs, h0 = make_inputs(2, 300, 2, 64, 64, 32, device="cuda", dtype=torch.float32, decay="wide", seed=10)
+    got = run(chunk_gsa, xs, h0, None)
+    cpu = run(chunk_gsa_torch, [x.cpu() for x in xs], tuple(h.cpu() for h in h0), None)
+    assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
