@@ -1,0 +1,173 @@
+"""GSA (Gated Slot Attention, Zhang et al. 2024): token mixing through M gated memory slots (kernels.gsa), SwiGLU MLP.
+
+Layer: q, k through a swish feature map, v through silu; a per-slot forget gate f = logsigmoid(W_f x) / normalizer
+(log space, fp32) writes s = 1 - e^f into the slots; two gated linear-attention passes joined by a softmax over the
+slots (scale 1); per-head RMSNorm of the output (fp32), a swish output gate, o_proj. Optional short causal
+convolutions on q, k, v. Pre-norm blocks (RMSNorm), final RMSNorm, untied head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flame.config import ModelArgs, check
+from flame.loss import output_loss_sum
+from flame.models import register
+from flame.models.layers import RMSNorm, ShortConv, positions_from_cu_seqlens
+from flame.models.transformer import SwiGLU
+from kernels.gsa import chunk_gsa
+
+
+@dataclass
+class GSAArgs(ModelArgs):
+    name: str = "gsa"
+    hidden_size: int = 1024
+    """Model width; also the total key and value width (head dims = hidden_size / num_heads)."""
+    num_layers: int = 24
+    """Number of blocks."""
+    num_heads: int = 4
+    """GSA heads; each holds M slots of a (hidden_size / num_heads)-dim key and value."""
+    num_slots: int = 64
+    """M, memory slots per head."""
+    gate_logit_normalizer: float = 8.0
+    """Forget gate = logsigmoid(W_f x) / this: larger keeps the slots longer (the paper's damping tau)."""
+    use_short_conv: bool = False
+    """Causal depthwise convolutions on q, k, v before their feature maps."""
+    conv_size: int = 4
+    """Kernel length of the short convolutions."""
+    intermediate_size: int | None = None
+    """SwiGLU width; None = 8/3 * hidden rounded up to a multiple of 256."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon (blocks, final norm and the per-head output norm)."""
+    init_std: float = 0.02
+    """Std of the normal init of embeddings and projections (residual outputs scaled by 1/sqrt(2 layers))."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the output projection + cross entropy."""
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("hidden_size", "num_layers", "num_heads", "num_slots", "conv_size"):
+            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
+        check(self.hidden_size % self.num_heads == 0, "model.num_heads", "a divisor of model.hidden_size",
+              self.num_heads)
+        check(self.gate_logit_normalizer > 0, "model.gate_logit_normalizer", "a number > 0",
+              self.gate_logit_normalizer)
+        check(self.intermediate_size is None or self.intermediate_size >= 1, "model.intermediate_size",
+              "an integer >= 1 or unset", self.intermediate_size)
+        check(self.norm_eps > 0, "model.norm_eps", "a number > 0", self.norm_eps)
+        check(self.init_std > 0, "model.init_std", "a number > 0", self.init_std)
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size or 256 * math.ceil(8 * self.hidden_size / 3 / 256)
+
+
+class GatedSlotAttention(nn.Module):
+    def __init__(self, args: GSAArgs):
+        super().__init__()
+        self.args = args
+        C, H, M = args.hidden_size, args.num_heads, args.num_slots
+        self.n_heads, self.head_dim = H, C // H
+        self.q_proj = nn.Linear(C, C, bias=False)
+        self.k_proj = nn.Linear(C, C, bias=False)
+        self.v_proj = nn.Linear(C, C, bias=False)
+        self.f_proj = nn.Linear(C, H * M, bias=False)
+        self.g_proj = nn.Linear(C, C, bias=False)
+        self.o_proj = nn.Linear(C, C, bias=False)
+        self.g_norm = RMSNorm(self.head_dim, args.norm_eps)
+        self.convs = nn.ModuleList(ShortConv(C, args.conv_size) for _ in range(3)) if args.use_short_conv else None
+
+    def forward(self, x, cu_seqlens, positions):
+        B, T, C = x.shape
+        H, D, M = self.n_heads, self.head_dim, self.args.num_slots
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = (conv(t, positions) for conv, t in zip(self.convs, (q, k, v)))
+        q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
+        # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
+        f = F.logsigmoid(self.f_proj(x).float()).view(B, T, H, M) / self.args.gate_logit_normalizer
+        s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0
+        o, _ = chunk_gsa(q, k, v, s, f, scale=1.0, cu_seqlens=cu_seqlens)
+        o = self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)
+        return self.o_proj(o.reshape(B, T, C).to(x.dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.args.init_std
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj):
+            nn.init.normal_(linear.weight, std=std)
+        nn.init.normal_(self.o_proj.weight, std=std / math.sqrt(2 * self.args.num_layers))
+        self.g_norm.reset_parameters()
+        if self.convs is not None:
+            for conv in self.convs:
+                conv.reset_parameters()
+
+
+class Block(nn.Module):
+    def __init__(self, args: GSAArgs):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.attn = GatedSlotAttention(args)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.mlp = SwiGLU(args.hidden_size, args.ffn_size)
+
+    def forward(self, x, cu_seqlens, positions):
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@register("gsa", GSAArgs)
+class GSA(nn.Module):
+    def __init__(self, args: GSAArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.args.init_std
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)   # logits start with std ~ std * sqrt(hidden): loss ~ ln(V)
+        for block in self.layers:
+            block.attn.reset_parameters()
+            nn.init.normal_(block.mlp.gate_proj.weight, std=std)
+            nn.init.normal_(block.mlp.up_proj.weight, std=std)
+            nn.init.normal_(block.mlp.down_proj.weight, std=std / math.sqrt(2 * self.args.num_layers))
+            block.attn_norm.reset_parameters()
+            block.mlp_norm.reset_parameters()
+        self.norm.reset_parameters()
+
+    def forward(self, input_ids, labels=None, cu_seqlens=None):
+        B, T = input_ids.shape
+        positions = None
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError("cu_seqlens needs batch size 1 (documents packed into one row)")
+            positions = positions_from_cu_seqlens(cu_seqlens, T)
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x, cu_seqlens, positions)
+        x = self.norm(x)
+        if labels is None:
+            return (x @ self.lm_head.weight.t()).float()
+        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x (matmul and convolution weights, head included) + the two slot passes: per token and head a K x M
+        and an M x V state are each updated and read (4 (K + V) M FLOPs), times 3 for fwd + bwd. No term grows
+        with seq_len (the within-chunk pairs are a constant factor of the chunk, not of the sequence)."""
+        a = self.args
+        matmul = sum(p.numel() for p in self.parameters() if p.dim() == 2) - self.embed.weight.numel()
+        return 6 * matmul + 12 * a.num_layers * 2 * a.hidden_size * a.num_slots
