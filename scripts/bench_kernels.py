@@ -97,15 +97,16 @@ def profile(fn, inputs, label):
 
 
 def sweep(mod, inputs):
-    """Our scan kernels' V tile and warps (the defaults are set in kernels/rwkv7/__init__.py)."""
-    default = (mod.SCAN_BV, mod.SCAN_WARPS)
-    for bv in (16, 32, 64):
-        for nw in (2, 4, 8):
-            mod.SCAN_BV, mod.SCAN_WARPS = bv, nw
+    """Alternatives to the defaults set in kernels/rwkv7/__init__.py: per-chunk kernel warps, scan V tile."""
+    default = (mod.SCAN_BV, mod.CHUNK_WARPS)
+    for cw in (4, 8):
+        for bv in (None, 16, 32, 64):
+            mod.SCAN_BV, mod.CHUNK_WARPS = bv, cw
             f_ms, _ = bench(ours, inputs, False)
             fb_ms, _ = bench(ours, inputs, True)
-            print(f"   sweep BV={bv} warps={nw}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
-    mod.SCAN_BV, mod.SCAN_WARPS = default
+            print(f"   sweep chunk_warps={cw} scan_BV={bv or 'auto'}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms",
+                  flush=True)
+    mod.SCAN_BV, mod.CHUNK_WARPS = default
 
 
 def main():

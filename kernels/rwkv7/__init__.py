@@ -11,6 +11,8 @@ tensors under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.rwkv7.naive import naive_rwkv7
@@ -26,10 +28,23 @@ PREC = "tf32"
 # a first call compiles each kernel once. scripts/bench_kernels.py --sweep times the alternatives.
 SCAN_BV: int | None = None
 SCAN_WARPS = 4
+# warps of the two per-chunk kernels (prep, backward intra-chunk)
+CHUNK_WARPS = 4
 
 
-def _scan_bv(V: int) -> int:
-    return SCAN_BV or min(32, max(16, next_pow2(V)))
+def _scan_bv(N: int, H: int, V: int, device) -> int:
+    """V tile of the scans: 32, or 16 when that leaves fewer than two programs per SM (long, few sequences)."""
+    if SCAN_BV:
+        return SCAN_BV
+    bv = min(32, max(16, next_pow2(V)))
+    if device.type == "cuda" and N * H * triton.cdiv(V, bv) < 2 * _sm_count(device):
+        bv = 16
+    return bv
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
@@ -46,12 +61,12 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
-                       LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=4)
+                       LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
-    BV = _scan_bv(V)
+    BV = _scan_bv(N, H, V, r.device)
     _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
                                           scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
                                           STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
@@ -70,7 +85,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dh = torch.empty(NT, H, K, V, **f32)
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    BV = _scan_bv(V)
+    BV = _scan_bv(N, H, V, r.device)
     _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
                                           H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
                                           STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
@@ -80,7 +95,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                         dr, dw, dk, dv, da, db, scale,
                         H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
-                        LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=4)
+                        LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
     return dr, dw, dk, dv, da, db, dh0
 
 

@@ -1,0 +1,256 @@
+"""RWKV-7 "Goose": time mixing through the generalized delta rule (kernels.rwkv7), sqrelu channel mixing.
+
+Follows the official RWKV-LM RWKV-7 (x070) definition and initialization: token shift with learned lerps, low-rank
+decay / in-context-rate / value-residual / gate paths, L2-normalized removal key kk, per-head GroupNorm and the r*k
+bonus, pre-LayerNorm blocks with an extra LayerNorm on the embeddings, final LayerNorm, untied head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flame.config import ModelArgs, check
+from flame.loss import output_loss_sum
+from flame.models import register
+from kernels.rwkv7 import chunk_rwkv7
+
+DECAY_SCALE = math.exp(-0.5)  # log decay = -exp(-0.5) * sigmoid(.): per-step decay in (0.545, 1)
+
+
+def _lora_dim(hidden: int, factor: float) -> int:
+    """RWKV-LM's default low-rank width: factor * sqrt(hidden), rounded to a multiple of 32, at least 32."""
+    return max(32, int(round(factor * math.sqrt(hidden) / 32)) * 32)
+
+
+@dataclass
+class RWKV7Args(ModelArgs):
+    name: str = "rwkv7"
+    hidden_size: int = 1024
+    num_layers: int = 24
+    head_dim: int = 64
+    decay_low_rank: int | None = None
+    """Low-rank width of the decay path; None = RWKV-LM's max(32, round(2.5 sqrt(hidden) / 32) * 32)."""
+    a_low_rank: int | None = None
+    """In-context learning rate path; None = 2.5 sqrt(hidden), as above."""
+    v_low_rank: int | None = None
+    """Value-residual path; None = 1.7 sqrt(hidden), as above."""
+    gate_low_rank: int | None = None
+    """Output gate path; None = 5 sqrt(hidden), as above."""
+    ffn_mult: int = 4
+    """Channel-mixing width = ffn_mult * hidden_size."""
+    norm_eps: float = 1e-5
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the output projection + cross entropy."""
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("hidden_size", "num_layers", "head_dim", "ffn_mult"):
+            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
+        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
+              self.head_dim)
+        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
+              self.num_layers)
+
+    def lora(self, which: str) -> int:
+        given = getattr(self, f"{which}_low_rank")
+        return given or _lora_dim(self.hidden_size, {"decay": 2.5, "a": 2.5, "v": 1.7, "gate": 5.0}[which])
+
+
+def token_shift(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """x_{t-1} (zero at t = 0 and, with packed documents, at every document start: `keep` is 0 there)."""
+    shifted = F.pad(x, (0, 0, 1, -1))
+    return shifted if keep is None else shifted * keep
+
+
+class TimeMix(nn.Module):
+    def __init__(self, args: RWKV7Args, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        C, N = args.hidden_size, args.head_dim
+        self.n_heads = C // N
+        self.lerp = nn.Parameter(torch.empty(6, C))        # token-shift mix for r, w, k, v, a, g
+        self.w0 = nn.Parameter(torch.empty(C))
+        self.w1 = nn.Parameter(torch.empty(C, args.lora("decay")))
+        self.w2 = nn.Parameter(torch.empty(args.lora("decay"), C))
+        self.a0 = nn.Parameter(torch.empty(C))
+        self.a1 = nn.Parameter(torch.empty(C, args.lora("a")))
+        self.a2 = nn.Parameter(torch.empty(args.lora("a"), C))
+        if layer_id > 0:                                    # layer 0 supplies v_first, the others lerp toward it
+            self.v0 = nn.Parameter(torch.empty(C))
+            self.v1 = nn.Parameter(torch.empty(C, args.lora("v")))
+            self.v2 = nn.Parameter(torch.empty(args.lora("v"), C))
+        self.g1 = nn.Parameter(torch.empty(C, args.lora("gate")))
+        self.g2 = nn.Parameter(torch.empty(args.lora("gate"), C))
+        self.k_k = nn.Parameter(torch.empty(C))
+        self.k_a = nn.Parameter(torch.empty(C))
+        self.r_k = nn.Parameter(torch.empty(self.n_heads, N))
+        self.r_proj = nn.Linear(C, C, bias=False)
+        self.k_proj = nn.Linear(C, C, bias=False)
+        self.v_proj = nn.Linear(C, C, bias=False)
+        self.o_proj = nn.Linear(C, C, bias=False)
+        self.ln_x = nn.GroupNorm(self.n_heads, C, eps=64e-5)  # RWKV-LM's eps: 1e-5 * head_size_divisor^2
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        C, N, L, i = self.args.hidden_size, self.args.head_dim, self.args.num_layers, self.layer_id
+        ratio_0_to_1 = i / (L - 1)
+        ratio_1_to_almost0 = 1.0 - i / L
+        dev = self.lerp.device
+        ddd = torch.arange(C, device=dev, dtype=torch.float32) / C
+        powers = torch.tensor([0.2, 0.9, 0.7, 0.7, 0.9, 0.2], device=dev)[:, None] * ratio_1_to_almost0
+        self.lerp.copy_(1.0 - ddd[None, :] ** powers)
+        n = torch.arange(C, device=dev, dtype=torch.float32)
+        linear = n / (C - 1) - 0.5
+        zigzag = ((n % N) - (N - 1) / 2) / ((N - 1) / 2)
+        zigzag = zigzag * zigzag.abs()
+        www = -6 + 6 * (n / (C - 1)) ** (1 + ratio_0_to_1 ** 0.3)
+        self.w0.copy_(www + 0.5 + zigzag * 2.5)            # 0.5: RWKV-LM's softplus offset
+        self.a0.copy_(-0.19 + zigzag * 0.3 + linear * 0.4)
+        for lo, hi in ((self.w1, self.w2), (self.a1, self.a2), (self.g1, self.g2)):
+            nn.init.zeros_(lo)
+            _ortho(hi, 0.1)
+        if self.layer_id > 0:
+            self.v0.copy_(0.73 - linear * 0.4)
+            nn.init.zeros_(self.v1)
+            _ortho(self.v2, 0.1)
+        self.k_k.copy_(0.71 - linear * 0.1)
+        self.k_a.fill_(1.02)
+        self.r_k.fill_(-0.04)
+        bound = C ** -0.5
+        nn.init.uniform_(self.r_proj.weight, -0.5 * bound, 0.5 * bound)
+        nn.init.uniform_(self.k_proj.weight, -0.05 * bound, 0.05 * bound)
+        nn.init.uniform_(self.v_proj.weight, -0.5 * bound, 0.5 * bound)
+        nn.init.zeros_(self.o_proj.weight)
+        self.ln_x.reset_parameters()
+
+    def forward(self, x, v_first, keep, cu_seqlens):
+        B, T, C = x.shape
+        H, N = self.n_heads, self.args.head_dim
+        xx = token_shift(x, keep) - x
+        xr, xw, xk, xv, xa, xg = x[None] + xx[None] * self.lerp[:, None, None, :].to(x.dtype)
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        # The log decay in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels over long contexts.
+        z = self.w0.float() + torch.tanh((xw @ self.w1).float()) @ self.w2.float()
+        w = -DECAY_SCALE * torch.sigmoid(z)
+        if self.layer_id == 0:
+            v_first = v
+        else:
+            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
+        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        kk = F.normalize((k * self.k_k).view(B, T, H, N).float(), dim=-1).to(k.dtype)
+        k = k * (1 + (a - 1) * self.k_a)
+        heads = lambda t: t.view(B, T, H, N)  # noqa: E731
+        o, _ = chunk_rwkv7(heads(r), heads(w), heads(k), heads(v), -kk, kk * heads(a), scale=1.0,
+                           cu_seqlens=cu_seqlens)
+        o = F.group_norm(o.reshape(B * T, C).float(), H, self.ln_x.weight.float(), self.ln_x.bias.float(),
+                         self.ln_x.eps).view(B, T, H, N)
+        bonus = (heads(r).float() * heads(k).float() * self.r_k.float()).sum(-1, keepdim=True) * heads(v).float()
+        o = (o + bonus).view(B, T, C).to(x.dtype)
+        return self.o_proj(o * g), v_first
+
+
+class ChannelMix(nn.Module):
+    def __init__(self, args: RWKV7Args, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        C = args.hidden_size
+        self.x_k = nn.Parameter(torch.empty(C))
+        self.key = nn.Linear(C, args.ffn_mult * C, bias=False)
+        self.value = nn.Linear(args.ffn_mult * C, C, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        C = self.args.hidden_size
+        ratio_1_to_almost0 = 1.0 - self.layer_id / self.args.num_layers
+        ddd = torch.arange(C, device=self.x_k.device, dtype=torch.float32) / C
+        self.x_k.copy_(1.0 - ddd ** (ratio_1_to_almost0 ** 4))
+        nn.init.uniform_(self.key.weight, -0.5 * C ** -0.5, 0.5 * C ** -0.5)
+        nn.init.zeros_(self.value.weight)
+
+    def forward(self, x, keep):
+        h = x + (token_shift(x, keep) - x) * self.x_k.to(x.dtype)
+        return self.value(torch.relu(self.key(h)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, args: RWKV7Args, layer_id: int):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.attn = TimeMix(args, layer_id)
+        self.ffn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.ffn = ChannelMix(args, layer_id)
+
+    def forward(self, x, v_first, keep, cu_seqlens):
+        h, v_first = self.attn(self.attn_norm(x), v_first, keep, cu_seqlens)
+        x = x + h
+        return x + self.ffn(self.ffn_norm(x), keep), v_first
+
+
+@register("rwkv7", RWKV7Args)
+class RWKV7(nn.Module):
+    def __init__(self, args: RWKV7Args):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)   # RWKV's ln0, before layer 0
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        a = self.args
+        nn.init.uniform_(self.embed.weight, -1e-4, 1e-4)
+        # orthogonal head with gain 0.5 sqrt(V / C): logits start with std ~0.5, so the first loss is ~ln(V)
+        _ortho(self.lm_head.weight, 0.5 * math.sqrt(a.vocab_size / a.hidden_size) if a.vocab_size > a.hidden_size
+               else 0.5, gain_from_shape=False)
+        for norm in (self.embed_norm, self.norm):
+            norm.reset_parameters()
+        for block in self.layers:
+            block.attn_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+            block.attn.reset_parameters()
+            block.ffn.reset_parameters()
+
+    def forward(self, input_ids, labels=None, cu_seqlens=None):
+        B, T = input_ids.shape
+        keep = None
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError("cu_seqlens needs batch size 1 (documents packed into one row)")
+            keep = torch.ones(T, 1, device=input_ids.device)
+            keep[cu_seqlens[:-1].long().clamp_max(T - 1)] = 0
+        x = self.embed_norm(self.embed(input_ids))
+        if keep is not None:
+            keep = keep.to(x.dtype)
+        v_first = None
+        for block in self.layers:
+            x, v_first = block(x, v_first, keep, cu_seqlens)
+        x = self.norm(x)
+        if labels is None:
+            return (x @ self.lm_head.weight.t()).float()
+        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x matmul parameters (head included) + the recurrence: ~4 products of a K x V state per token and
+        head (read sa, two rank-one updates, read o), 2 FLOPs each, times 3 for fwd + bwd."""
+        a = self.args
+        matmul = sum(p.numel() for p in self.parameters() if p.dim() == 2) - self.embed.weight.numel()
+        return 6 * matmul + 24 * a.num_layers * a.hidden_size * a.head_dim
+
+
+def _ortho(w: torch.Tensor, scale: float, gain_from_shape: bool = True) -> None:
+    """RWKV-LM's ortho_init: orthogonal with gain scale * sqrt(rows / cols) when rows > cols."""
+    rows, cols = w.shape
+    gain = math.sqrt(rows / cols) if gain_from_shape and rows > cols else 1.0
+    nn.init.orthogonal_(w, gain=gain * scale)
