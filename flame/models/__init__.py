@@ -18,6 +18,7 @@ MODELS: dict[str, tuple[type[nn.Module], type]] = {}
 # Imported on first use, so reading a config never imports every model (and its Triton kernels).
 _MODULES = {
     "transformer": "flame.models.transformer",
+    "rwkv7": "flame.models.rwkv7",
     "gsa": "flame.models.gsa",
 }
 
