@@ -1,36 +1,52 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), visible only once complete.
 
-Layout: {dump_folder}/{checkpoint.folder}/step-N/ (DCP files). A save writes step-N.tmp/ first and renames it after
-every rank has finished, so a folder named step-N is always complete; older ones are pruned only after that.
+Layout: {dump_folder}/{checkpoint.folder}/step-N/ (DCP files). A save writes step-N.tmp/ and rank 0 renames it to
+step-N once DCP has written its metadata, which DCP does only after every rank's files are written; so a folder
+named step-N is always complete, and a .tmp folder is a save that never finished (ignored, removed at start-up).
+Older checkpoints are pruned only after a newer one is complete.
+
+On GPU the save is asynchronous: training blocks only while the state is copied into a cached CPU buffer; the
+files are written by a background thread over a gloo process group of their own.
 """
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from flame.config import CheckpointConfig
+from flame.config import CheckpointConfig, Config, config_from_toml
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int):
-        self.cfg, self.rank = cfg, rank
-        self.folder = run_dir / cfg.folder
+def complete_steps(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
 
-    def complete_steps(self) -> list[int]:
-        if not self.folder.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int, use_async: bool):
+        self.cfg, self.rank, self.use_async = cfg, rank, use_async
+        self.folder = run_dir / cfg.folder
+        self.pending: Future | None = None
+        if use_async:
+            self.pg = dist.new_group(backend="gloo")  # async DCP needs a CPU process group
+            # on GPU, reuse one pinned CPU copy across saves; on CPU, DCP's default copy
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True) if torch.cuda.is_available() else None
 
     def step_to_resume(self) -> int | None:
         """The step to load, following checkpoint.resume and checkpoint.load_step; None starts fresh."""
-        steps = self.complete_steps()
+        steps = complete_steps(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 raise FileNotFoundError(f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
@@ -40,27 +56,104 @@ class Checkpointer:
             return steps[-1]
         return None
 
-    def save(self, step: int, state: dict) -> Path:
-        final, tmp = self.folder / f"step-{step}", self.folder / f"step-{step}.tmp"
+    def remove_incomplete(self) -> list[str]:
+        """Rank 0, at start-up (no save in flight): drop folders of saves that never finished."""
+        removed = []
+        if self.rank == 0 and self.folder.is_dir():
+            for p in self.folder.glob("step-*.tmp"):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    def save(self, step: int, state: dict) -> float:
+        """Start (async) or do (sync) a save; returns the seconds training was blocked."""
+        self.wait()  # one save in flight at a time
+        start = time.perf_counter()
+        tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        dcp.save(state, checkpoint_id=str(tmp))
+        if self.use_async:
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
+                                      async_stager=self.stager)
+            self.pending = getattr(response, "upload_completion", response)
+            if self.rank == 0:  # rank 0's save returns after DCP wrote the metadata, i.e. after every rank
+                self.pending.add_done_callback(lambda f: f.exception() is None and self._finalize(step))
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            dist.barrier()
+            if self.rank == 0:
+                self._finalize(step)
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete and visible on every rank."""
+        if self.pending is None:
+            return
+        self.pending.result()  # re-raises a failed save
+        self.pending = None
         dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            self._prune()
-        dist.barrier()
-        return final
+
+    def close(self) -> None:
+        self.wait()
+        if self.use_async and self.stager is not None:
+            self.stager.close()
 
     def load(self, step: int, state: dict) -> None:
-        """Fill `state` (same structure as saved) in place."""
-        dcp.load(state, checkpoint_id=str(self.folder / f"step-{step}"))
+        """Fill `state` (same structure as saved, any number of ranks) in place."""
+        dcp.load(state, checkpoint_id=str(self.path(step)))
 
-    def _prune(self) -> None:
-        if self.cfg.keep_latest_k <= 0:
-            return
-        for old in self.complete_steps()[: -self.cfg.keep_latest_k]:
-            shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+    def saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        """Global shape of every tensor in a checkpoint, from its metadata (reads no tensor data)."""
+        meta = dcp.FileSystemReader(str(self.path(step))).read_metadata()
+        return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+
+    def _finalize(self, step: int) -> None:
+        final = self.path(step)
+        shutil.rmtree(final, ignore_errors=True)
+        (self.folder / f"step-{step}.tmp").rename(final)
+        if self.cfg.keep_latest_k > 0:
+            for old in complete_steps(self.folder)[: -self.cfg.keep_latest_k]:
+                shutil.rmtree(self.path(old), ignore_errors=True)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_compatible(saved_shapes: dict, model_sd: dict, saved_config: str, cfg: Config, path: Path) -> None:
+    """Stop with a message naming what differs when this config's model does not fit the checkpoint."""
+    problems = []
+    for name, tensor in model_sd.items():
+        key = f"model.{name}"
+        if key not in saved_shapes:
+            problems.append(f"{key} is not in the checkpoint")
+        elif tuple(tensor.shape) != saved_shapes[key]:
+            problems.append(f"{key} has shape {saved_shapes[key]} in the checkpoint, {tuple(tensor.shape)} here")
+    extra = sorted(k for k in saved_shapes if k.startswith("model.") and k[len("model."):] not in model_sd)
+    problems += [f"{k} is in the checkpoint but not in this model" for k in extra[:5]]
+    if not problems:
+        return
+    changed = []
+    if saved_config:
+        old = config_from_toml(saved_config).model
+        changed = [f"model.{k}: {getattr(old, k)!r} in the checkpoint, {getattr(cfg.model, k)!r} now"
+                   for k in vars(cfg.model) if getattr(old, k, None) != getattr(cfg.model, k)]
+    raise RuntimeError(f"checkpoint {path} does not fit this model:\n  " + "\n  ".join(problems[:8])
+                       + ("\nconfig differences:\n  " + "\n  ".join(changed) if changed else "")
+                       + "\nUse the checkpoint's model settings, or start a new run folder (checkpoint.init_from "
+                       "takes weights only, from an exported model).")

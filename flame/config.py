@@ -167,6 +167,13 @@ class CheckpointConfig:
     """-1 resumes from the newest complete checkpoint; N from step N."""
     resume: Literal["auto", "never"] = "auto"
     """auto: a run folder that holds a complete checkpoint resumes from it."""
+    async_mode: Literal["auto", "sync", "async"] = "auto"
+    """auto: async on GPU (training blocks only to copy the state to CPU), sync on CPU."""
+    init_from: str = ""
+    """A folder written by `python -m flame.export`: a new run starts from these weights (ignored on resume)."""
+    data_state: Literal["strict", "restart"] = "strict"
+    """Resuming on another number of data-parallel ranks or data workers: strict stops with a message;
+    restart starts the data streams over (documents already seen are seen again)."""
 
     def validate(self) -> None:
         check(self.interval >= 1, "checkpoint.interval", "an integer >= 1", self.interval)
@@ -372,6 +379,10 @@ def config_from_dict(raw: dict) -> Config:
     cfg = Config(**kwargs)
     cfg.validate()
     return cfg
+
+
+def config_from_toml(text: str) -> Config:
+    return config_from_dict(tomllib.loads(text))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -100,13 +100,18 @@ class MetricsLogger:
         return record
 
     def log_eval(self, step: int, loss: float) -> None:
-        record = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        ppl = math.exp(min(loss, 50.0))
+        self.log_extra(step, {"eval_loss": loss, "eval_ppl": ppl})
         if self.rank == 0:
-            self.file.write(json.dumps(record) + "\n")
+            print(f"step {step:>6} | eval loss {loss:.4f} | ppl {ppl:.2f}", flush=True)
+
+    def log_extra(self, step: int, values: dict) -> None:
+        """A line of its own in metrics.jsonl (eval results, checkpoint timings), and in wandb."""
+        if self.rank == 0:
+            self.file.write(json.dumps({"step": step, **values}) + "\n")
             self.file.flush()
-            print(f"step {step:>6} | eval loss {loss:.4f} | ppl {record['eval_ppl']:.2f}", flush=True)
             if self.wandb is not None:
-                self.wandb.log({"eval_loss": loss, "eval_ppl": record["eval_ppl"]}, step=step)
+                self.wandb.log(values, step=step)
 
     def close(self) -> None:
         if self.file:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from flame.checkpoint import Checkpointer
+from flame.checkpoint import Checkpointer, check_compatible, rng_state, set_rng_state
 from flame.config import Config, ConfigError, load_config, to_toml
 from flame.data import build_train_loader, check_sources
+from flame.export import load_exported_weights
 from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
@@ -54,6 +56,13 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
         dist.barrier()
 
+        c = cfg.checkpoint
+        use_async = c.async_mode == "async" or (c.async_mode == "auto" and self.d.on_gpu)
+        self.checkpointer = Checkpointer(c, self.run_dir, self.rank, use_async=use_async)
+        for name in self.checkpointer.remove_incomplete():
+            self.print(f"removed {name}: a save that never finished")
+        resume_step = self.checkpointer.step_to_resume() if c.enable else None
+
         # Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
         # weights do not depend on the number of ranks), then sharded.
         with torch.device("meta"):
@@ -61,6 +70,9 @@ class Trainer:
         model.to_empty(device=self.device)
         torch.manual_seed(t.seed)
         model.init_weights()
+        if c.init_from and resume_step is None:
+            load_exported_weights(model, c.init_from)
+            self.print(f"initialized from {c.init_from}")
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.model = parallelize(model, self.d, param_dtype=t.mixed_precision_param,
@@ -76,10 +88,11 @@ class Trainer:
             raise ConfigError("model.vocab_size", f"at least the tokenizer's vocabulary ({tokenizer_vocab})",
                               cfg.model.vocab_size)
 
-        self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = 0
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.rank)
+        self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
+        self.stop_signal = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # preemption notices: save, then exit cleanly
+            signal.signal(sig, self.on_signal)
         wandb_id = None
-        resume_step = self.checkpointer.step_to_resume() if cfg.checkpoint.enable else None
         if resume_step is not None:
             wandb_id = self.load_checkpoint(resume_step)
         self.metrics = MetricsLogger(cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
@@ -121,6 +134,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
         t = self.cfg.training
+        if self.step >= t.steps:
+            self.print(f"nothing to train: the run is at step {self.step} of training.steps = {t.steps}")
         while self.step < t.steps:
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
             lr = self.optimizer.param_groups[0]["lr"]
@@ -138,11 +153,26 @@ class Trainer:
             if self.cfg.validation.enable and (self.step % self.cfg.validation.freq == 0 or self.step == t.steps):
                 self.evaluate()
             if self.cfg.checkpoint.enable and (self.step % self.cfg.checkpoint.interval == 0 or self.step == t.steps):
-                path = self.checkpointer.save(self.step, self.state_dict())
-                self.print(f"saved checkpoint {path}")
+                self.save_checkpoint()
+            if self.stop_requested():
+                if self.cfg.checkpoint.enable and self.last_saved != self.step:
+                    self.save_checkpoint()
+                self.print(f"stopped at step {self.step} on signal {signal.Signals(self.stop_signal).name}"
+                           + ("; launch again to resume" if self.cfg.checkpoint.enable else ""))
+                return
 
     def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def stop_requested(self) -> bool:
+        """Any rank got a signal -> every rank stops after this step (a signal may reach only some ranks)."""
+        flag = torch.tensor(self.stop_signal, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stop_signal = int(flag.item())
+        return self.stop_signal > 0
 
     def sanity_check_first_loss(self, loss: float) -> None:
         expected = math.log(self.cfg.model.vocab_size)
@@ -191,25 +221,59 @@ class Trainer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict(),
                 "train_state": {"step": self.step, "tokens_seen": self.tokens_seen,
-                                "skipped_steps": self.skipped_steps, "wandb_id": self.metrics.wandb_id or ""},
-                # each rank reads its own stream: one entry per rank
-                "dataloader": {f"rank_{self.rank}": self.loader.state_dict()}}
+                                "skipped_steps": self.skipped_steps, "wandb_id": self.metrics.wandb_id or "",
+                                "dp_world": self.d.world_size, "data_workers": self.cfg.data.num_workers,
+                                "config": to_toml(self.cfg)},
+                # each rank reads its own stream and draws its own random numbers: one entry per rank
+                "dataloader": {f"rank_{self.rank}": self.loader.state_dict()},
+                "rng": {f"rank_{self.rank}": rng_state()}}
+
+    def save_checkpoint(self) -> None:
+        blocked = self.checkpointer.save(self.step, self.state_dict())
+        self.last_saved = self.step
+        mode = "async, written in the background" if self.checkpointer.use_async else "sync"
+        self.print(f"checkpoint step-{self.step}: training blocked {blocked:.2f} s ({mode})")
+        self.metrics.log_extra(self.step, {"checkpoint_blocked_sec": blocked})
 
     def load_checkpoint(self, step: int) -> str | None:
+        ts = {"step": 0, "tokens_seen": 0, "skipped_steps": 0, "wandb_id": "", "dp_world": 0, "data_workers": 0,
+              "config": ""}
+        self.checkpointer.load(step, {"train_state": ts})
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict(),
-                 "train_state": {"step": 0, "tokens_seen": 0, "skipped_steps": 0, "wandb_id": ""},
-                 "dataloader": {f"rank_{self.rank}": self.loader.state_dict()}}
+        check_compatible(self.checkpointer.saved_shapes(step), model_sd, ts["config"], self.cfg,
+                         self.checkpointer.path(step))
+        same_layout = (ts["dp_world"], ts["data_workers"]) == (self.d.world_size, self.cfg.data.num_workers)
+        state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
+        data_key = None
+        if same_layout or getattr(self.loader, "state_is_global", False):
+            data_key = f"rank_{self.rank}" if same_layout else "rank_0"
+            state["dataloader"] = {data_key: self.loader.state_dict()}
+        elif self.cfg.checkpoint.data_state == "strict":
+            raise RuntimeError(
+                f"checkpoint step-{step} was written by {ts['dp_world']} data-parallel ranks with "
+                f"{ts['data_workers']} data workers each; this run has {self.d.world_size} and "
+                f"{self.cfg.data.num_workers}. Model and optimizer reshard, but the data streams' positions cannot "
+                f"be split again exactly. Resume with the same layout, or pass --checkpoint.data_state=restart to "
+                "restart the data streams (documents already seen will be seen again).")
+        if same_layout:
+            state["rng"] = {f"rank_{self.rank}": rng_state()}
         self.checkpointer.load(step, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
-        self.loader.load_state_dict(state["dataloader"][f"rank_{self.rank}"])
-        ts = state["train_state"]
+        if data_key is not None:
+            self.loader.load_state_dict(state["dataloader"][data_key])
+        else:
+            self.print("WARNING: data streams restart from the beginning (checkpoint.data_state = restart)")
+        if same_layout:
+            set_rng_state(state["rng"][f"rank_{self.rank}"])
         self.step, self.tokens_seen, self.skipped_steps = ts["step"], ts["tokens_seen"], ts["skipped_steps"]
+        self.last_saved = self.step
         return ts["wandb_id"] or None
 
     def close(self) -> None:
+        self.checkpointer.close()  # an async save in flight completes before the process exits
+        self.loader.close()
         self.metrics.close()
         dist.destroy_process_group()
 

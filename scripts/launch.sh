@@ -14,6 +14,7 @@ Environment (all optional):
   MASTER_ADDR  rendezvous host (default: this machine; under Slurm the first node of the job)
   MASTER_PORT  rendezvous port (default 29500 on several nodes; a free port on one node)
   RDZV_ID      rendezvous id shared by all nodes (default: SLURM_JOB_ID, or "flame")
+Signals: SIGTERM or SIGUSR1 sent to this script make every rank finish its step, save a checkpoint and exit 0.
 Backends: NCCL on GPU, gloo on CPU. Per-rank logs: {job.dump_folder}/logs/. The config is checked first: a bad key
 or value stops here with exit code 2.
 TXT
@@ -51,6 +52,17 @@ fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
-exec "${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${rdzv[@]}" \
+"${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${rdzv[@]}" \
   --log-dir "$logs" --redirects 3 --tee 3 \
-  -m flame.train --config "$config" "$@"
+  -m flame.train --config "$config" "$@" &
+torchrun=$!
+# SIGTERM / SIGUSR1 (preemption notice) go to the training processes, which save a checkpoint and exit 0; sent to
+# torchrun itself, they would make it kill its workers and fail.
+forward() { pkill "-$1" -P "$torchrun" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward INT' INT
+rc=0
+wait "$torchrun" || rc=$?  # a trapped signal ends `wait` early: keep waiting for torchrun's own exit code
+while kill -0 "$torchrun" 2>/dev/null; do rc=0; wait "$torchrun" || rc=$?; done
+exit "$rc"

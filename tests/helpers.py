@@ -74,8 +74,10 @@ def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300)
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def read_metrics(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(dump: Path, key: str = "loss") -> list[dict]:
+    """The metrics.jsonl records that carry `key` (training steps by default; eval and checkpoint lines apart)."""
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if key in r]
 
 
 def read_checkpoint(dump: Path, step: int) -> dict:

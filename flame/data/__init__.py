@@ -17,7 +17,7 @@ __all__ = ["DataConfig", "SourceConfig", "IGNORE_INDEX", "build_train_loader", "
 def build_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, grad_accum: int, dp_rank: int,
                        dp_world: int, seed: int, vocab_size: int):
     """An iterator of micro-batches {input_ids [B, T], labels [B, T] (IGNORE_INDEX = no loss), optional cu_seqlens},
-    with state_dict()/load_state_dict() for exact resume and metrics() for counters.
+    with state_dict()/load_state_dict() for exact resume, metrics() for counters and close() to stop its workers.
 
     Text sources raise ConfigError (naming data.sources[i].path, data.tokenizer, ...) here, before training starts.
     The text loader's `vocab_size` is the tokenizer's; the trainer checks that it fits model.vocab_size."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import signal
 import warnings
 
 import torch
@@ -21,6 +22,13 @@ def check_sources(cfg: DataConfig) -> tuple[list[SourcePlan], TextTokenizer]:
     plans = plan_sources(cfg, "sources")
     plan_sources(cfg, "eval_sources")
     return plans, load_tokenizer(cfg)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A preemption signal sent to every process (Slurm) is the training process' to handle: it saves a checkpoint
+    that needs these workers' state, then shuts them down."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def load_tokenizer(cfg: DataConfig) -> TextTokenizer:
@@ -57,7 +65,8 @@ class TextLoader:
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on construction
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             self.loader = StatefulDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers,
-                                             pin_memory=torch.cuda.is_available(), snapshot_every_n_steps=1)
+                                             pin_memory=torch.cuda.is_available(), snapshot_every_n_steps=1,
+                                             worker_init_fn=_ignore_stop_signals)
         self._iterator = None
         self._restored = None  # the dataloader state last loaded (None: start from the beginning)
         self._counters: dict[int, dict] = {}
@@ -71,6 +80,12 @@ class TextLoader:
         batch, worker, counters = next(self._iterator)
         self._counters[int(worker)] = counters
         return batch
+
+    def close(self) -> None:
+        """Stop the worker processes now. They ignore SIGTERM, so they must not be left to interpreter exit."""
+        if self._iterator is not None and hasattr(self._iterator, "_shutdown_workers"):
+            self._iterator._shutdown_workers()
+        self._iterator = None
 
     def metrics(self) -> dict[str, int]:
         """data_docs, data_tokens (read and tokenized), data_skipped_<reason>, data_source<i>_epoch (passes done)."""

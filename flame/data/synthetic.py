@@ -27,6 +27,9 @@ def synthetic_sample(seed: int, step: int, index: int, seq_len: int, vocab_size:
 class SyntheticLoader:
     """Yields micro-batches {input_ids, labels} of shape [batch_size, seq_len] for one data-parallel rank."""
 
+    state_is_global = True
+    """Its position is the same on every rank and for any split: a checkpoint resumes on another rank count."""
+
     def __init__(self, *, seq_len: int, batch_size: int, grad_accum: int, dp_rank: int, dp_world: int,
                  seed: int, vocab_size: int):
         self.seq_len, self.batch_size, self.grad_accum = seq_len, batch_size, grad_accum
@@ -52,3 +55,6 @@ class SyntheticLoader:
 
     def metrics(self) -> dict:
         return {}
+
+    def close(self) -> None:
+        pass

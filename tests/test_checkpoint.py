@@ -1,0 +1,152 @@
+"""Checkpoints: exact resume after SIGKILL, incomplete saves ignored, SIGTERM saves and exits 0, resharding from 2
+ranks to 1, clear errors for incompatible runs, export round trip and init_from."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flame.export import load_exported
+from tests.helpers import REPO, env, read_checkpoint, read_metrics, run_train, write_config
+
+# the tiny default config on the bundled sample text (2 data workers per rank), made short
+TEXT = ["--training.seq_len=64", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
+        "--lr_scheduler.warmup_steps=2"]
+CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0"]
+
+
+def launch(dump, *overrides, nproc=2, wait=True):
+    cmd = ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT,
+           *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC=str(nproc)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def wait_for(path, proc, timeout=240):
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - start < timeout, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def last_loss_per_step(dump):
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}  # a resumed run's line wins over the killed run's
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 20-step run on 2 ranks."""
+    dump = tmp_path_factory.mktemp("straight") / "run"
+    proc = launch(dump, "--training.steps=20", "--checkpoint.interval=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dump
+
+
+def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path, straight):
+    dump = tmp_path / "run"
+    proc = launch(dump, "--training.steps=20", "--checkpoint.interval=10", wait=False)
+    wait_for(dump / "checkpoint" / "step-10", proc)
+    # every process of the job at once: launcher, torchrun, both ranks (torchrun starts them in sessions of their
+    # own) and their data workers, all of which carry the run folder on their command line
+    subprocess.run(["pkill", "-KILL", "-f", f"job.dump_folder={dump}"], check=True)
+    proc.wait()
+    time.sleep(0.5)
+    assert not (dump / "checkpoint" / "step-20").exists()  # it really died mid-run
+
+    # a save killed half-way leaves a .tmp folder: it must be ignored (and cleared), never loaded
+    partial = dump / "checkpoint" / "step-15.tmp"
+    shutil.copytree(dump / "checkpoint" / "step-10", partial)
+    (partial / ".metadata").unlink()
+
+    resumed = launch(dump, "--training.steps=20", "--checkpoint.interval=10")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 10" in resumed.stdout and "removed step-15.tmp" in resumed.stdout
+    assert not partial.exists()
+    expected, got = last_loss_per_step(straight), last_loss_per_step(dump)
+    assert [got[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]  # bit for bit
+
+
+def test_text_checkpoint_on_other_rank_count_stops_with_advice(tmp_path, straight):
+    dump = tmp_path / "run"
+    shutil.copytree(straight, dump)
+    proc = launch(dump, "--training.steps=30", nproc=1)
+    assert proc.returncode != 0
+    assert "written by 2 data-parallel ranks" in proc.stdout + proc.stderr
+    assert "--checkpoint.data_state=restart" in proc.stdout + proc.stderr
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+    dump = tmp_path / "run"
+    proc = launch(dump, "--training.steps=1000", "--checkpoint.interval=1000", *CONSTANT_LR, wait=False)
+    start = time.time()
+    while not (dump / "metrics.jsonl").exists() or len(read_metrics(dump)) < 3:
+        assert proc.poll() is None and time.time() - start < 240
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher, as a scheduler's preemption notice would
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "on signal SIGTERM" in out
+    (saved,) = [int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir()]
+    assert saved == read_metrics(dump)[-1]["step"] < 1000
+
+    resumed = launch(dump, f"--training.steps={saved + 2}", *CONSTANT_LR)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {saved}" in resumed.stdout
+    assert [r["step"] for r in read_metrics(dump)][-2:] == [saved + 1, saved + 2]
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
+    """Model and optimizer reshard (DCP); the synthetic stream's position is global, so the run continues exactly
+    the 2-rank run's global batches: the losses agree up to summation order."""
+    args = ["--training.batch_size=2", *CONSTANT_LR, "--checkpoint.interval=2"]
+    path, dump2 = write_config(tmp_path, "two")
+    assert run_train(path, "--training.steps=4", "--checkpoint.async_mode=async", *args, nproc=2).returncode == 0
+    path, dump = write_config(tmp_path, "resharded")
+    assert run_train(path, "--training.steps=2", *args, nproc=2).returncode == 0
+    proc = run_train(path, "--training.steps=4", "--training.batch_size=4", *CONSTANT_LR)  # 1 rank, same batch
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 2" in proc.stdout
+    expected, got = last_loss_per_step(dump2), last_loss_per_step(dump)
+    assert got[3] == pytest.approx(expected[3], rel=1e-6) and got[4] == pytest.approx(expected[4], rel=1e-6)
+    # the async run's checkpoints are complete and hold the same weights as the sync ones at step 2
+    a, b = read_checkpoint(dump2, 2)["model"], read_checkpoint(dump, 2)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # a changed model shape is named, not a stack trace about tensors
+    proc = run_train(path, "--training.steps=6", "--model.hidden_size=32")
+    assert proc.returncode != 0
+    assert "model.hidden_size: 64 in the checkpoint, 32 now" in proc.stderr
+
+
+def test_export_round_trip_and_init_from(tmp_path):
+    path, dump = write_config(tmp_path)
+    assert run_train(path, "--training.steps=3").returncode == 0
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "flame.export", str(dump), str(out)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+    model = load_exported(out)
+    weights = read_checkpoint(dump, 3)["model"]
+    assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+    x = torch.randint(0, 512, (2, 16))
+    reference = load_exported(out)
+    assert torch.equal(model(x), reference(x))
+
+    # a new run starting from the export: with a vanishing lr its first step leaves the weights as exported
+    path2, dump2 = write_config(tmp_path, "child")
+    proc = run_train(path2, "--training.steps=1", f"--checkpoint.init_from={out}", "--optimizer.lr=1e-30")
+    assert proc.returncode == 0 and "initialized from" in proc.stdout
+    child = read_checkpoint(dump2, 1)["model"]
+    assert all(torch.equal(child[k], weights[k]) for k in weights)
