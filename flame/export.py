@@ -13,6 +13,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,11 +44,13 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         raise FileNotFoundError(f"no complete checkpoint step-{step} in {folder} (complete: {steps})")
     path = str(folder / f"step-{step}")
     train_state = {"config": ""}
-    dcp.load({"train_state": train_state}, checkpoint_id=path, no_dist=True)
-    cfg = config_from_toml(train_state["config"])
-    model = _empty_model(cfg.model)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path, no_dist=True)  # full tensors, whatever the number of ranks that saved
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load({"train_state": train_state}, checkpoint_id=path, no_dist=True)
+        cfg = config_from_toml(train_state["config"])
+        model = _empty_model(cfg.model)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path, no_dist=True)  # full tensors, whatever the number of ranks that saved
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state["model"].items()}, str(out_dir / "model.safetensors"))
