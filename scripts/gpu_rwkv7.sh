@@ -15,10 +15,11 @@ ls .tcache/tcache.tgz.* >/dev/null 2>&1 && cat .tcache/tcache.tgz.* | tar xzf - 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "${TEST_TIMEOUT:-300}" -gt 0 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/models/test_rwkv7.py} -x -q -p no:cacheprovider \
-    --durations=8 ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -x -q -p no:cacheprovider --durations=8 \
+    ${TEST_PATHS:-tests/kernels/test_rwkv7.py tests/models/test_rwkv7.py} ${TEST_ARGS:-} 2>&1 \
+    | tee "$OUT/tests.log" | tail -25
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" \
-  | grep -v '^|'
+[ "${BENCH_TIMEOUT:-300}" -gt 0 ] && timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} \
+  2>&1 | tee "$OUT/bench.log" | grep -v '^|'
 tar czf - -C /tmp tcache | split -b 15M - "$OUT/tcache.tgz."
-grep '^|' "$OUT/bench.log"
+grep -s '^|' "$OUT/bench.log"

@@ -11,8 +11,6 @@ tensors under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels.rwkv7.naive import naive_rwkv7
@@ -32,19 +30,10 @@ SCAN_WARPS = 4
 CHUNK_WARPS = 4
 
 
-def _scan_bv(N: int, H: int, V: int, device) -> int:
-    """V tile of the scans: 32, or 16 when that leaves fewer than two programs per SM (long, few sequences)."""
-    if SCAN_BV:
-        return SCAN_BV
-    bv = min(32, max(16, next_pow2(V)))
-    if device.type == "cuda" and N * H * triton.cdiv(V, bv) < 2 * _sm_count(device):
-        bv = 16
-    return bv
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _scan_bv(V: int) -> int:
+    """V tile of the scans. 32 measured best on an H100 for B=8 x T=4096 and B=2 x T=16384 (H=16, V=64); 16 (more
+    programs for few sequences) was no faster at either (scripts/bench_kernels.py --sweep)."""
+    return SCAN_BV or min(32, max(16, next_pow2(V)))
 
 
 def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
@@ -66,7 +55,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
-    BV = _scan_bv(N, H, V, r.device)
+    BV = _scan_bv(V)
     _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
                                           scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
                                           STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
@@ -85,7 +74,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dh = torch.empty(NT, H, K, V, **f32)
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    BV = _scan_bv(N, H, V, r.device)
+    BV = _scan_bv(V)
     _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
                                           H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
                                           STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
