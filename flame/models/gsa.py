@@ -91,8 +91,9 @@ class GatedSlotAttention(nn.Module):
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
         # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
         f = F.logsigmoid(self.f_proj(x).float()).view(B, T, H, M) / self.args.gate_logit_normalizer
-        s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0
-        o, _ = chunk_gsa(q, k, v, s, f, scale=1.0, cu_seqlens=cu_seqlens)
+        s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0; the log
+        # gate f stays fp32 into the kernel, s (a slot write like k and v) goes in the activations' dtype
+        o, _ = chunk_gsa(q, k, v, s.to(q.dtype), f, scale=1.0, cu_seqlens=cu_seqlens)
         o = self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)
         return self.o_proj(o.reshape(B, T, C).to(x.dtype))
 

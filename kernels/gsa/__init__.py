@@ -19,18 +19,25 @@ from kernels.utils import as_varlen, chunk_tables, next_pow2
 
 __all__ = ["chunk_gsa", "naive_gsa", "chunk_gsa_torch"]
 
-# Chunk length (a power of two >= 16; the pairwise decays take log2(CHUNK) levels). Fixed configs instead of
-# autotuning: a first call compiles each kernel once. scripts/bench_gsa.py --sweep times the alternatives.
-CHUNK = 32
+# Chunk length (16 or 32; the pairwise decays take log2(CHUNK) levels). Fixed configs instead of autotuning: a first
+# call compiles each kernel once. scripts/bench_gsa.py --sweep times the alternatives. Compiled for sm_90 (no GPU
+# needed, tests/kernels/test_gsa.py), the backward's per-chunk kernel needs 105 KiB of shared memory at CHUNK = 16
+# and 164 KiB at 32 with M = 64, 205 KiB at 16 with M = 128 (an H100 block has 227 KiB): 32 fits only M <= 64, 64 none.
+CHUNK = 16
 # fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
 PREC = "tf32"
 SCAN_BD: int | None = None   # D tile of the state scans (None: by heuristic)
 SCAN_WARPS = 4
-CHUNK_WARPS = 4
+CHUNK_WARPS = 8   # fewer register spills than 4 in ptxas' report for the per-chunk kernels (sm_90, unmeasured)
 
 
 def _tile(D: int) -> int:
     return min(64, max(16, next_pow2(D)))
+
+
+def _slots(M: int) -> int:
+    """All M slots in one tile: the softmax runs over the whole row."""
+    return max(16, next_pow2(M))
 
 
 def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
@@ -44,7 +51,7 @@ def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
     ht = torch.empty(N, H, M, D, device=x.device, dtype=torch.float32) if want_ht else None
     BD = SCAN_BD or _tile(D)
     _state_scan[(N, H, triton.cdiv(D, BD))](w, g, x, cu, chunk_offsets, h0, hs, ht,
-                                            H=H, M=M, D=D, BT=CHUNK, BM=_tile(M), BD=BD, REVERSE=reverse,
+                                            H=H, M=M, D=D, BT=CHUNK, BM=_slots(M), BD=BD, REVERSE=reverse,
                                             HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC,
                                             num_warps=SCAN_WARPS)
     return hs, ht
@@ -52,7 +59,7 @@ def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
 
 def _dims(q, v, s):
     K, V, M = q.shape[-1], v.shape[-1], s.shape[-1]
-    return dict(H=q.shape[2], K=K, V=V, M=M, BT=CHUNK, BK=_tile(K), BV=_tile(V), BM=_tile(M),
+    return dict(H=q.shape[2], K=K, V=V, M=M, BT=CHUNK, BK=_tile(K), BV=_tile(V), BM=_slots(M),
                 LEVELS=CHUNK.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
 
 
@@ -74,12 +81,12 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt):
     grid = (tables[2], q.shape[2])
     f32 = dict(device=q.device, dtype=torch.float32)
     p, dz, dg = (torch.empty(g.shape, **f32) for _ in range(3))
-    dq = torch.empty_like(q)
-    _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dq, p, dz, dg, scale, **_dims(q, v, s))
+    _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, p, dz, dg, scale, **_dims(q, v, s))
     dhk, dhk0 = _scan(dz, g, q, cu, tables, dhkt, hk0 is not None, True)
     dhv, dhv0 = _scan(p, g, do, cu, tables, dhvt, hv0 is not None, True)
-    dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
-    _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dk, dv, ds, dg, **_dims(q, v, s))
+    dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
+    _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dq, dk, dv, ds, dg,
+                     **_dims(q, v, s))
     return dq, dk, dv, ds, dg, dhk0, dhv0
 
 

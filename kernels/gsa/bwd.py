@@ -2,10 +2,10 @@
 
 Chunk-start states are recomputed by the forward's _state_scan (nothing but the inputs is kept between passes).
   _bwd_dz     (per chunk and head): recomputes the slot logits and p, forms dp and the softmax backward
-              dZr = scale dZ, dq, and the row part of the log-gate gradient; stores p and dZr for the next steps.
+              dZr = scale dZ and the row part of the log-gate gradient; stores p and dZr for the next steps.
   _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32), twice:
               (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the initial-state gradients.
-  _bwd_dkvsg  (per chunk and head): dk, dv, ds and the log gate (reverse cumulative sum within the chunk).
+  _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, l
 
 
 @triton.jit
-def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, dq, p_out, dz_out, dg, scale,
+def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, scale,
             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -52,19 +52,10 @@ def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, dq, p_out, dz_out, dg, s
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(dz_out, dZr, tok, i_h, H, M, cm, m_t, m_m)
-    # dq = (dZr e^{G}) Hk^T_0 + dA1 k, dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]
-    dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
-    dZe = dZr * eG
-    for i_k in range(tl.cdiv(K, BK)):
-        ck = i_k * BK + tl.arange(0, BK)
-        m_k = ck < K
-        b_dq = tl.dot(dZe, load_state(hk, hbase * K, cm, ck, K, m_m, m_k), input_precision=PREC) \
-            + tl.dot(dA1, load_rows(k, tok, i_h, H, K, ck, m_t, m_k), input_precision=PREC)
-        store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
 
 
 @triton.jit
-def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in, dk, dv, ds, dg,
+def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in, dq, dk, dv, ds, dg,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -79,11 +70,14 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     GC = tl.sum(b_g, axis=0)
     e_end = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))   # e^{sum_{j>t} g_j}: decay to the chunk end
+    eG = tl.exp(tl.cumsum(b_g, axis=0))                      # e^{G_t}: decay from the chunk start
     s_end = b_s * e_end
     P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
     dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
     A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
     dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    dZe = dZr * eG
     hbase = (i_c * H + i_h).to(tl.int64) * M
     A1 = tl.zeros([BT, BT], dtype=tl.float32)
     D2 = tl.zeros([BT, BT], dtype=tl.float32)
@@ -94,10 +88,13 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
         m_k = ck < K
         b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+        b_h = load_state(hk, hbase * K, cm, ck, K, m_m, m_k)
         b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
         A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
-        dGC += tl.sum(load_state(hk, hbase * K, cm, ck, K, m_m, m_k) * b_dh, axis=1)
+        dGC += tl.sum(b_h * b_dh, axis=1)
+        b_dq = tl.dot(dZe, b_h, input_precision=PREC) + tl.dot(dA1, b_k, input_precision=PREC)
+        store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
         b_dk = tl.dot(tl.trans(dA1), b_q, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):

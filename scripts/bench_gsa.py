@@ -1,0 +1,153 @@
+"""GSA kernel benchmark: our chunk_gsa beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
+
+    python scripts/bench_gsa.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
+    python scripts/bench_gsa.py --sweep         # also our chunk length / warp alternatives
+    python scripts/bench_gsa.py --profile       # also per-kernel CUDA time of one fwd+bwd
+
+Shapes: the GSA layer's head layout at hidden 1024 (4 heads, K = V = 256, M = 64 slots), B=8 x T=4096 and
+B=2 x T=16384. Inputs as the layers make them: swish q, k, silu v, f = logsigmoid(.) / 8, s = 1 - e^f, scale 1.
+FLA's chunk_gsa gets s and the log gate f in bf16 (as its layer passes them); ours gets s in bf16 and f in fp32 (as
+flame's layer passes them). Rows for FLA are skipped with a note when it is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(8, 4096, 4, 256, 64), (2, 16384, 4, 256, 64)]   # B, T, H, K = V, M
+
+
+def make(B, T, H, D, M, dev="cuda"):
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    q, k, v = (F.silu(torch.randn(B, T, H, D, device=dev)).to(dt) for _ in range(3))
+    f = F.logsigmoid(torch.randn(B, T, H, M, device=dev)) / 8
+    s = -torch.expm1(f)
+    return q, k, v, s.to(dt), f
+
+
+def bench(fn, inputs, backward):
+    """(median ms, peak MiB above the inputs) of fn, with o.backward when `backward`."""
+    from triton.testing import do_bench
+    xs = [x.detach().clone().requires_grad_(backward) for x in inputs]
+    do = None
+
+    def step():
+        nonlocal do
+        o = fn(*xs)
+        if backward:
+            if do is None:
+                do = torch.randn_like(o)
+            o.backward(do)
+            for x in xs:
+                x.grad = None
+        return o
+
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = do_bench(step, warmup=50, rep=300, return_mode="median")
+    return ms, peak
+
+
+def ours(q, k, v, s, f):
+    from kernels.gsa import chunk_gsa
+    return chunk_gsa(q, k, v, s, f, scale=1.0)[0]
+
+
+def fla_fn():
+    try:
+        from fla.ops.gsa import chunk_gsa as fla_chunk
+    except Exception as e:  # noqa: BLE001  (missing, or broken against this torch/triton)
+        return None, f"{type(e).__name__}: {e}"
+
+    def fn(q, k, v, s, f):
+        return fla_chunk(q, k, v, s, f.to(q.dtype), scale=1.0)[0]
+    return fn, None
+
+
+def sdpa(q, k, v, s, f):
+    qq, kk, vv = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(1, 2)
+
+
+def profile(fn, inputs, label):
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    o = fn(*xs)
+    o.backward(torch.ones_like(o))
+    torch.cuda.synchronize()
+    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+        o = fn(*xs)
+        o.backward(torch.ones_like(o))
+        torch.cuda.synchronize()
+    print(f"\n-- {label}: CUDA time per kernel (one fwd+bwd)")
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
+        print(f"   {ms:8.3f} ms  {name[:90]}")
+
+
+def sweep(mod, inputs):
+    """Our chunk length and warps (the defaults are set in kernels/gsa/__init__.py)."""
+    default = (mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS)
+    for chunk in (16, 32):
+        for nw in (4, 8):
+            for sw in (2, 4, 8):
+                mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS = chunk, nw, sw
+                try:
+                    f_ms, _ = bench(ours, inputs, False)
+                    fb_ms, _ = bench(ours, inputs, True)
+                except Exception as e:  # noqa: BLE001  (e.g. out of shared memory for a large chunk)
+                    print(f"   sweep CHUNK={chunk} warps={nw} scan warps={sw}: {type(e).__name__}: {e}"[:200])
+                    continue
+                print(f"   sweep CHUNK={chunk} warps={nw} scan warps={sw}: fwd {f_ms:.3f} ms, "
+                      f"fwd+bwd {fb_ms:.3f} ms", flush=True)
+    mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS = default
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--shapes", default="all", choices=["all", "first"])
+    args = p.parse_args()
+    import kernels.gsa as mod
+    fla, why = fla_fn()
+    if fla is None:
+        print(f"note: FLA rows skipped ({why})")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
+    rows = []
+    for B, T, H, D, M in shapes:
+        inputs = make(B, T, H, D, M)
+        cands = [("ours chunk_gsa", ours)] + ([("FLA 0.6.0 chunk_gsa", fla)] if fla else []) \
+            + [("SDPA flash (causal)", sdpa)]
+        res = {}
+        for name, fn in cands:
+            f_ms, _ = bench(fn, inputs, False)
+            fb_ms, fb_mem = bench(fn, inputs, True)
+            res[name] = (f_ms, fb_ms, fb_mem)
+            print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+            if name.startswith("ours") and args.sweep:
+                sweep(mod, inputs)
+            if args.profile and name != "SDPA flash (causal)":
+                profile(fn, inputs, f"{name} B={B} T={T}")
+        for name, (f_ms, fb_ms, mem) in res.items():
+            ref = res.get("FLA 0.6.0 chunk_gsa")
+            ratio = f"{ref[1] / fb_ms:5.2f}x" if ref else "  n/a"
+            rows.append(f"| B={B} T={T} H={H} D={D} M={M} | {name:22s} | {f_ms:8.3f} | {fb_ms:8.3f} | "
+                        f"{B * T / fb_ms / 1e3:8.2f} | {mem:8.0f} | {ratio} |")
+    print("\n| shape | kernel | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | fwd+bwd peak MiB | FLA / this (fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
