@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One device call for the GSA kernel: install the carried wheels, restore the Triton cache, run the GPU tests and the
 # benchmark (each under a timeout), save the Triton cache to $OUT, print the table last.
-# Run with carry [".tcache"] (the FLA wheels copied from .whl into it); copy $OUT/gsa_tcache.tgz.* back to .tcache/
-# for the next call (a cache apart from the RWKV7 one: neither script overwrites the other's).
+# Run with carry [".tcache"] (the FLA wheels copied from .whl into it), or [".whl", ".tcache"] for the model tests
+# (mind the 64 MiB carry limit); copy $OUT/gsa_tcache.tgz.* back to .tcache/ for the next call (a cache apart from
+# the RWKV7 one: neither script overwrites the other's).
 #   BENCH_ARGS="--sweep --profile" TEST_TIMEOUT=300 BENCH_TIMEOUT=240 bash scripts/gpu_gsa.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .tcache/fla_core-*.whl .tcache/flash_linear_attention-*.whl || exit 1
+# The FLA wheels (for the comparison) travel in .tcache; the project's other wheels (torchdata etc., which
+# flame.config imports, so the model tests need them) in .whl when it is carried too.
+whls=(.tcache/fla_core-*.whl .tcache/flash_linear_attention-*.whl)
+[ -d .whl ] && whls=(.whl/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${whls[@]}" || exit 1
 # TRITON_CACHE_AUTOTUNING keeps autotune results (FLA autotunes for minutes cold) in the carried cache too.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/gsa_tcache TRITON_CACHE_AUTOTUNING=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gsa_tcache
