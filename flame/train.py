@@ -90,6 +90,7 @@ class Trainer:
 
         self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
         self.stop_signal = 0
+        self.staging_ready = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # preemption notices: save, then exit cleanly
             signal.signal(sig, self.on_signal)
         wandb_id = None
@@ -145,6 +146,12 @@ class Trainer:
             self.metrics.count(self.global_batch * t.seq_len)
             if self.step == 1:
                 self.sanity_check_first_loss(result.loss)
+            if self.cfg.checkpoint.enable and not self.staging_ready:
+                # after a real optimizer step: DCP would otherwise create Adam's moments with a fake step
+                self.staging_ready = True
+                seconds = self.checkpointer.prepare(self.state_dict())
+                if seconds:
+                    self.print(f"prepared the CPU buffer for async checkpoints in {seconds:.1f} s (once per run)")
             self.handle_skip(result)
             if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps or result.skipped:
                 self.metrics.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
