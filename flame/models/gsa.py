@@ -150,15 +150,19 @@ class GSA(nn.Module):
         B, T = input_ids.shape
         positions = None
         if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError("cu_seqlens needs batch size 1 (documents packed into one row)")
-            positions = positions_from_cu_seqlens(cu_seqlens, T)
+            # cu_seqlens spans the flattened B*T tokens (flame.data.packing starts a segment at every row start), so
+            # the rows are one packed row: the same segments, the same results
+            if cu_seqlens[-1] != B * T:
+                raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
+            input_ids = input_ids.reshape(1, B * T)
+            labels = None if labels is None else labels.reshape(1, B * T)
+            positions = positions_from_cu_seqlens(cu_seqlens, B * T)
         x = self.embed(input_ids)
         for block in self.layers:
             x = block(x, cu_seqlens, positions)
         x = self.norm(x)
         if labels is None:
-            return (x @ self.lm_head.weight.t()).float()
+            return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
         return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

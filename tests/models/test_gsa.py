@@ -68,6 +68,21 @@ def test_packed_documents_equal_separate_runs(conv):
     assert not torch.allclose(model(torch.cat([a, b], 1))[:, 23:], model(b), rtol=1e-4, atol=1e-4)
 
 
+def test_varlen_batch_rows_are_segments():
+    # flame.data.packing's varlen batches: [B, T] rows with cu_seqlens over the flattened B*T tokens
+    model = tiny()
+    ids = torch.randint(0, 512, (2, 30))
+    cu = torch.tensor([0, 12, 30, 41, 60])          # a segment starts at each row start and inside each row
+    got = model(ids, cu_seqlens=cu)
+    assert got.shape == (2, 30, 512)
+    flat = ids.reshape(-1)
+    ref = torch.cat([model(flat[a:b][None])[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(got.reshape(60, -1), ref, rtol=1e-4, atol=1e-4)
+    loss = model(ids, labels=ids, cu_seqlens=cu)
+    ce = F.cross_entropy(got.flatten(0, 1), ids.flatten(), reduction="sum")
+    torch.testing.assert_close(loss, ce, rtol=1e-5, atol=1e-4)
+
+
 def test_flops_per_token_and_configs():
     for size, lo, hi in (("tiny", 5e6, 3e7), ("0.4B", 0.38e9, 0.5e9), ("0.6B", 0.55e9, 0.7e9)):
         cfg = load_config(REPO / f"configs/gsa_{size}.toml")
