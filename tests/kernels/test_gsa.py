@@ -174,6 +174,11 @@ def test_triton_interpreter_varlen_no_states(interp):
                  "varlen")
 
 
+def test_triton_interpreter_final_state_without_initial_state(interp):
+    xs, _ = make_inputs(2, 40, 1, 16, 32, 16, decay="wide", seed=12)
+    assert_close(run(interp, xs, None, 1.0), naive(xs, None, 1.0), CPU_TOL, "no h0, final states")
+
+
 def test_triton_interpreter_varlen_initial_state(interp):
     cu = torch.tensor([0, 33, 40, 90])
     xs, h0 = make_inputs(1, 90, 1, 16, 32, 32, decay="wide", n_seq=3, seed=6)
