@@ -222,10 +222,14 @@ class RWKV7(nn.Module):
         B, T = input_ids.shape
         keep = None
         if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError("cu_seqlens needs batch size 1 (documents packed into one row)")
-            keep = torch.ones(T, 1, device=input_ids.device)
-            keep[cu_seqlens[:-1].long().clamp_max(T - 1)] = 0
+            # cu_seqlens spans the flattened B*T tokens (flame.data.packing starts a segment at every row start), so
+            # the rows are one packed row: the same segments, the same results
+            if cu_seqlens[-1] != B * T:
+                raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
+            input_ids = input_ids.reshape(1, B * T)
+            labels = None if labels is None else labels.reshape(1, B * T)
+            keep = torch.ones(B * T, 1, device=input_ids.device)
+            keep[cu_seqlens[:-1].long().clamp_max(B * T - 1)] = 0
         x = self.embed_norm(self.embed(input_ids))
         if keep is not None:
             keep = keep.to(x.dtype)
@@ -234,7 +238,7 @@ class RWKV7(nn.Module):
             x, v_first = block(x, v_first, keep, cu_seqlens)
         x = self.norm(x)
         if labels is None:
-            return (x @ self.lm_head.weight.t()).float()
+            return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
         return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

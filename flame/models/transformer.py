@@ -131,12 +131,15 @@ class Transformer(nn.Module):
         mask = None
         if cu_seqlens is None:
             pos = torch.arange(T, device=input_ids.device)[None]
-        else:  # packed documents (B = 1): attend within each document only
-            if B != 1:
-                raise ValueError("cu_seqlens needs batch size 1 (documents packed into one row)")
-            pos = positions_from_cu_seqlens(cu_seqlens, T)[None]
-            doc = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=input_ids.device), right=True)
-            mask = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+        else:  # packed documents: attend within each document only. cu_seqlens spans the flattened B*T tokens
+            # and a segment starts at every row start (flame.data.packing), so each row masks on its own.
+            if cu_seqlens[-1] != B * T:
+                raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
+            pos = positions_from_cu_seqlens(cu_seqlens, B * T).view(B, T)
+            doc = torch.searchsorted(cu_seqlens[1:], torch.arange(B * T, device=input_ids.device), right=True)
+            doc = doc.view(B, T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+            mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
         cos, sin = rotary_cos_sin(pos, self.args.hidden_size // self.args.num_heads, self.args.rope_theta)
         x = self.embed(input_ids)
         for block in self.layers:
