@@ -278,10 +278,15 @@ class Trainer:
         self.last_saved = self.step
         return ts["wandb_id"] or None
 
-    def close(self) -> None:
-        self.checkpointer.close()  # an async save in flight completes before the process exits
+    def close(self, clean: bool = True) -> None:
+        """clean: every rank got here together (an async save in flight is completed). After an error, skip all
+        waiting on other ranks: one of them may be gone."""
+        if clean:
+            self.checkpointer.close()
         self.loader.close()
         self.metrics.close()
+        if clean:
+            dist.barrier()  # no rank tears its process group down while another still talks to it
         dist.destroy_process_group()
 
 
@@ -312,8 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(cfg)
     try:
         trainer.train()
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(clean=False)
+        raise
+    trainer.close()
+    # Everything is written and closed. Skip the interpreter's teardown: on CPU, gloo's threads have now and then
+    # aborted it (SIGABRT, "terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
