@@ -18,7 +18,8 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import RMSNorm, ShortConv, positions_from_cu_seqlens
+from flame.models.layers import (RMSNorm, ShortConv, as_one_packed_row, count_params,
+                                 positions_from_cu_seqlens)
 from flame.models.transformer import SwiGLU
 from kernels.gsa import chunk_gsa
 
@@ -150,12 +151,7 @@ class GSA(nn.Module):
         B, T = input_ids.shape
         positions = None
         if cu_seqlens is not None:
-            # cu_seqlens spans the flattened B*T tokens (flame.data.packing starts a segment at every row start), so
-            # the rows are one packed row: the same segments, the same results
-            if cu_seqlens[-1] != B * T:
-                raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
-            input_ids = input_ids.reshape(1, B * T)
-            labels = None if labels is None else labels.reshape(1, B * T)
+            input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
             positions = positions_from_cu_seqlens(cu_seqlens, B * T)
         x = self.embed(input_ids)
         for block in self.layers:
@@ -166,8 +162,7 @@ class GSA(nn.Module):
         return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
+        return count_params(self, self.embed, exclude_embedding)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x (matmul and convolution weights, head included) + the two slot passes: per token and head a K x M

@@ -69,3 +69,17 @@ class ShortConv(nn.Module):
                 shifted = shifted * (positions >= j).to(x.dtype)[..., None]
             y = y + shifted * w[:, j]
         return y
+
+
+def count_params(model: nn.Module, embedding: nn.Embedding, exclude_embedding: bool) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    return n - embedding.weight.numel() if exclude_embedding else n
+
+
+def as_one_packed_row(input_ids: torch.Tensor, labels: torch.Tensor | None, cu_seqlens: torch.Tensor):
+    """[B, T] rows -> one [1, B*T] row. cu_seqlens spans the flattened B*T tokens and flame.data.packing starts a
+    segment at every row start, so the packed row holds the same segments and gives the same results."""
+    B, T = input_ids.shape
+    if cu_seqlens[-1] != B * T:
+        raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
+    return input_ids.reshape(1, B * T), None if labels is None else labels.reshape(1, B * T)

@@ -17,6 +17,7 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.loss import output_loss_sum
 from flame.models import register
+from flame.models.layers import as_one_packed_row, count_params
 from kernels.rwkv7 import chunk_rwkv7
 
 DECAY_SCALE = math.exp(-0.5)  # log decay = -exp(-0.5) * sigmoid(.): per-step decay in (0.545, 1)
@@ -222,12 +223,7 @@ class RWKV7(nn.Module):
         B, T = input_ids.shape
         keep = None
         if cu_seqlens is not None:
-            # cu_seqlens spans the flattened B*T tokens (flame.data.packing starts a segment at every row start), so
-            # the rows are one packed row: the same segments, the same results
-            if cu_seqlens[-1] != B * T:
-                raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
-            input_ids = input_ids.reshape(1, B * T)
-            labels = None if labels is None else labels.reshape(1, B * T)
+            input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
             keep = torch.ones(B * T, 1, device=input_ids.device)
             keep[cu_seqlens[:-1].long().clamp_max(B * T - 1)] = 0
         x = self.embed_norm(self.embed(input_ids))
@@ -242,8 +238,7 @@ class RWKV7(nn.Module):
         return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
+        return count_params(self, self.embed, exclude_embedding)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x matmul parameters (head included) + the recurrence: ~4 products of a K x V state per token and

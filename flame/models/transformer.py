@@ -12,7 +12,7 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import RMSNorm, apply_rotary, positions_from_cu_seqlens, rotary_cos_sin
+from flame.models.layers import RMSNorm, apply_rotary, count_params, positions_from_cu_seqlens, rotary_cos_sin
 
 
 @dataclass
@@ -151,8 +151,7 @@ class Transformer(nn.Module):
         return output_loss_sum(x, weight, labels, self.args.loss_chunk_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
+        return count_params(self, self.embed, exclude_embedding)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x (matmul parameters, output head included) + causal attention scores and mixing (fwd + bwd)."""
