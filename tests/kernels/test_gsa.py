@@ -244,7 +244,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256) -> dict:
                                 STORE_HT=False, PREC="ieee"), 4)
     except Exception as e:  # noqa: BLE001  (no CUDA backend or ptxas in this Triton)
         return {"unavailable": f"{type(e).__name__}: {e}"[:300]}
-    BM, BT = gsa._slots(M), gsa.CHUNK
+    BM, BT = gsa._slots(M), gsa._chunk(M)
     out = {}
     for rev in (False, True):
         k = build(_state_scan, dict(H=4, M=M, D=K, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev, HAS_H0=True,

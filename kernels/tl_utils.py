@@ -1,0 +1,42 @@
+"""Triton helpers shared by the chunked kernels (rwkv7, gsa): row loads and stores of packed [T, H, D] tensors,
+chunk bookkeeping, and the one way a decay factor is ever formed (`decay_on`)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    """[BT, BD] rows `tok` of head i_h from a [T, H, D] tensor, as fp32 (zeros outside the masks)."""
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
+    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
+    """First token of global chunk i_c and the end of its sequence (chunks never straddle two sequences)."""
+    i_n = tl.load(chunk_index + 2 * i_c)
+    i_t = tl.load(chunk_index + 2 * i_c + 1)
+    return tl.load(cu + i_n) + i_t * BT, tl.load(cu + i_n + 1)
+
+
+@triton.jit
+def diag_of(x, rows, cols):
+    """Diagonal of a square register tile as a vector."""
+    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.), axis=1)
+
+
+@triton.jit
+def decay_on(mask, diff):
+    """exp(diff) where mask holds, 0 elsewhere. The argument is clamped to <= 0 (it is <= 0 mathematically wherever
+    the mask holds; the clamp makes it so in floating point too), and masked entries never reach the exp: a decay
+    factor can never overflow, so no inf is ever multiplied by 0."""
+    return tl.where(mask, tl.exp(tl.minimum(tl.where(mask, diff, 0.), 0.)), 0.)
