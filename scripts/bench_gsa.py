@@ -1,7 +1,7 @@
 """GSA kernel benchmark: our chunk_gsa beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
 
     python scripts/bench_gsa.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
-    python scripts/bench_gsa.py --sweep         # also our chunk length / warp alternatives
+    python scripts/bench_gsa.py --sweep         # also our chunk / warp / scan tile alternatives
     python scripts/bench_gsa.py --profile       # also per-kernel CUDA time of one fwd+bwd
 
 Shapes: the GSA layer's head layout at hidden 1024 (4 heads, K = V = 256, M = 64 slots), B=8 x T=4096 and
@@ -94,22 +94,24 @@ def profile(fn, inputs, label):
         print(f"   {ms:8.3f} ms  {name[:90]}")
 
 
+# (chunk, chunk warps, scan warps, scan D tile): alternatives to the defaults in kernels/gsa/__init__.py
+# (None: the default's own choice); the D tile sets how many programs the sequential scans spread over.
+SWEEP = [(None, 8, 4, 16), (None, 8, 4, 32), (None, 8, 4, 64), (None, 8, 8, 16), (16, 8, 4, 16)]
+
+
 def sweep(mod, inputs):
-    """Our chunk length and warps (the defaults are set in kernels/gsa/__init__.py)."""
-    default = (mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS)
-    for chunk in (16, 32):
-        for nw in (4, 8):
-            for sw in (2, 4, 8):
-                mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS = chunk, nw, sw
-                try:
-                    f_ms, _ = bench(ours, inputs, False)
-                    fb_ms, _ = bench(ours, inputs, True)
-                except Exception as e:  # noqa: BLE001  (e.g. out of shared memory for a large chunk)
-                    print(f"   sweep CHUNK={chunk} warps={nw} scan warps={sw}: {type(e).__name__}: {e}"[:200])
-                    continue
-                print(f"   sweep CHUNK={chunk} warps={nw} scan warps={sw}: fwd {f_ms:.3f} ms, "
-                      f"fwd+bwd {fb_ms:.3f} ms", flush=True)
-    mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS = default
+    default = (mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS, mod.SCAN_BD)
+    for cfg in SWEEP:
+        mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS, mod.SCAN_BD = cfg
+        label = f"CHUNK={cfg[0] or 'auto'} warps={cfg[1]} scan warps={cfg[2]} scan BD={cfg[3]}"
+        try:
+            f_ms, _ = bench(ours, inputs, False)
+            fb_ms, _ = bench(ours, inputs, True)
+        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory for a large chunk)
+            print(f"   sweep {label}: {type(e).__name__}: {e}"[:200])
+            continue
+        print(f"   sweep {label}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+    mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS, mod.SCAN_BD = default
 
 
 def main():
