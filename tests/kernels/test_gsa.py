@@ -7,12 +7,8 @@ output, both final states and the gradients of q, k, v, s, g and both initial st
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ import torch.nn.functional as F
 
 from kernels.gsa import chunk_gsa, naive_gsa
 from kernels.gsa.torch_chunk import chunk_gsa_torch
+from tests.kernels import sm90
 
 CPU_TOL = 1e-5
 GPU_TOL = 5e-3
@@ -216,65 +213,40 @@ def test_triton_interpreter_stress_decays(interp):
 
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
-H100_SMEM = 232448   # shared memory bytes one block may use on sm_90 (227 KiB)
-
-
 def compile_for_sm90(M: int, K: int = 256, V: int = 256) -> dict:
-    """Compile every GSA kernel at the shipped CHUNK / warps to sm_90 cubin, with Triton's own ptxas and no GPU:
-    {kernel: shared memory bytes}, or {"unavailable": why} when this Triton cannot compile for CUDA at all.
-    Run in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit at import)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Every GSA kernel at the shipped chunk / warps, compiled for sm_90: {kernel: shared memory bytes}."""
     import kernels.gsa as gsa
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
     from kernels.gsa.fwd import _fwd_out, _state_scan
 
-    target = GPUTarget("cuda", 90, 32)
-
-    def build(fn, consts, warps, types=None):
-        sig = {n: "constexpr" if n in consts else (types or {}).get(n, "*bf16") for n in fn.arg_names}
-        sig.update({n: tp for n, tp in {"cu": "*i32", "chunk_offsets": "*i32", "chunk_index": "*i32",
-                                         "scale": "fp32", "g": "*fp32"}.items() if n in sig})
-        return triton.compile(ASTSource(fn, sig, consts), target=target, options=dict(num_warps=warps))
-
-    try:
-        build(_state_scan, dict(H=1, M=16, D=16, BT=16, BM=16, BD=16, REVERSE=False, HAS_H0=False,
-                                STORE_HT=False, PREC="ieee"), 4)
-    except Exception as e:  # noqa: BLE001  (no CUDA backend or ptxas in this Triton)
-        return {"unavailable": f"{type(e).__name__}: {e}"[:300]}
+    why = sm90.unavailable()
+    if why:
+        return {"unavailable": why}
     BM, BT = gsa._slots(M), gsa._chunk(M)
     out = {}
     for rev in (False, True):
-        k = build(_state_scan, dict(H=4, M=M, D=K, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev, HAS_H0=True,
-                                    STORE_HT=True, PREC=gsa.PREC), gsa.SCAN_WARPS,
-                  types={"w": "*fp32" if rev else "*bf16", "hs": "*fp32", "h0": "*fp32", "ht": "*fp32"})
+        k = sm90.build(_state_scan, dict(H=4, M=M, D=K, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev, HAS_H0=True,
+                                         STORE_HT=True, PREC=gsa.PREC), gsa.SCAN_WARPS,
+                       types={"w": "*fp32" if rev else "*bf16", "g": "*fp32", "hs": "*fp32", "h0": "*fp32",
+                              "ht": "*fp32"})
         out[f"_state_scan(reverse={rev})"] = k.metadata.shared
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
-    f32 = {n: "*fp32" for n in ("hk", "hv", "dhk", "dhv", "p_out", "dz_out", "p_in", "dz_in", "dg")}
+    f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p_out", "dz_out", "p_in", "dz_in", "dg")}
     for fn in (_fwd_out, _bwd_dz, _bwd_dkvsg):
-        out[fn.fn.__name__] = build(fn, consts, gsa.CHUNK_WARPS, types=f32).metadata.shared
+        out[fn.fn.__name__] = sm90.build(fn, consts, gsa.CHUNK_WARPS, types=f32).metadata.shared
     return out
 
 
-def test_triton_kernels_compile_for_h100():
-    # The interpreter runs the kernels but never lowers them: this catches what only the GPU compiler rejects
-    # (layouts, shapes, shared memory) on a machine without one. M = 128 is the largest tile the model uses.
+@pytest.mark.parametrize("M", [64, 128])   # chunk 32 at M = 64, 16 at M = 128: the largest tiles each takes
+def test_triton_kernels_compile_for_h100(M):
     pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json; from tests.kernels.test_gsa import compile_for_sm90 as c; print(json.dumps(c(128)))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=dict(env, PYTHONPATH=str(repo)),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    smem = json.loads(proc.stdout.strip().splitlines()[-1])
+    smem = sm90.shared_memory_in_subprocess("tests.kernels.test_gsa", f"compile_for_sm90({M})")
     if "unavailable" in smem:
         pytest.skip(f"this Triton cannot compile for CUDA: {smem['unavailable']}")
     assert len(smem) == 5, smem
     for name, nbytes in smem.items():
-        assert nbytes <= H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {H100_SMEM})"
+        assert nbytes <= sm90.H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {sm90.H100_SMEM})"
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16

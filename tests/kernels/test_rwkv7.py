@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels.rwkv7 import chunk_rwkv7, naive_rwkv7
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
+from tests.kernels import sm90
 
 CPU_TOL = 1e-5
 GPU_TOL = 5e-3
@@ -161,6 +162,43 @@ def test_triton_interpreter_initial_state_block_sizes(K, V, bv, monkeypatch, int
 def test_triton_interpreter_stress_decays(interp):
     xs, h0 = make_inputs(1, 200, 1, 32, 32, decay="stress", seed=6)
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
+
+
+# ---------------------------------------------------------------- CPU: the kernels compile for an H100
+
+
+def compile_for_sm90(K: int, V: int) -> dict:
+    """Every RWKV-7 kernel at the shipped chunk / tiles / warps, compiled for sm_90: {kernel: shared memory bytes}."""
+    import kernels.rwkv7 as m
+    from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
+    from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
+
+    why = sm90.unavailable()
+    if why:
+        return {"unavailable": why}
+    BT, BK, BV, SBV = m.CHUNK, max(16, K), min(64, max(16, V)), m._scan_bv(V)
+    f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
+                                "dZ", "dh0", "dw")}
+    chunk = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=BT.bit_length() - 1, PREC=m.PREC)
+    scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
+    return {
+        "_fwd_prep": sm90.build(_fwd_prep, chunk, m.CHUNK_WARPS, f32).metadata.shared,
+        "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True), m.SCAN_WARPS, f32).metadata.shared,
+        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS,
+                                f32).metadata.shared,
+        "_bwd_chunk": sm90.build(_bwd_chunk, chunk, m.CHUNK_WARPS, f32).metadata.shared,
+    }
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
+def test_triton_kernels_compile_for_h100(K, V):
+    pytest.importorskip("triton")
+    smem = sm90.shared_memory_in_subprocess("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})")
+    if "unavailable" in smem:
+        pytest.skip(f"this Triton cannot compile for CUDA: {smem['unavailable']}")
+    assert len(smem) == 4, smem
+    for name, nbytes in smem.items():
+        assert nbytes <= sm90.H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {sm90.H100_SMEM})"
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16

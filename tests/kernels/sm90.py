@@ -1,0 +1,52 @@
+"""Compile Triton kernels for an H100 (sm_90) on a machine without a GPU: the interpreter runs the kernels but never
+lowers them, so this is what catches layouts, shapes and shared memory that only the GPU compiler rejects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+H100_SMEM = 232448   # shared memory bytes one block may use on sm_90 (227 KiB)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build(fn, consts: dict, warps: int, types: dict | None = None):
+    """triton.compile of a @triton.jit kernel for sm_90: pointer arguments default to bf16, `types` overrides."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in consts else (types or {}).get(n, "*bf16") for n in fn.arg_names}
+    sig.update({n: tp for n, tp in {"cu": "*i32", "chunk_offsets": "*i32", "chunk_index": "*i32",
+                                     "scale": "fp32"}.items() if n in sig})
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+def shared_memory_in_subprocess(module: str, call: str) -> dict:
+    """`module.call` (returning {kernel: shared bytes} or {"unavailable": why}), run in a fresh process without
+    TRITON_INTERPRET (the interpreter replaces @triton.jit at import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json, {module}; print(json.dumps({module}.{call}))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def unavailable() -> str | None:
+    """Why this Triton cannot compile for CUDA at all (no backend or ptxas), or None."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(x):
+        tl.store(x, tl.load(x))
+
+    try:
+        build(_probe, {}, 4, types={"x": "*fp32"})
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
