@@ -17,6 +17,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+# the timing and profiling harness is the RWKV-7 benchmark's (scripts/ is on sys.path when run as a script)
+from bench_kernels import bench, profile
+
 SHAPES = [(8, 4096, 4, 256, 64), (2, 16384, 4, 256, 64)]   # B, T, H, K = V, M
 
 
@@ -27,34 +30,6 @@ def make(B, T, H, D, M, dev="cuda"):
     f = F.logsigmoid(torch.randn(B, T, H, M, device=dev)) / 8
     s = -torch.expm1(f)
     return q, k, v, s.to(dt), f
-
-
-def bench(fn, inputs, backward):
-    """(median ms, peak MiB above the inputs) of fn, with o.backward when `backward`."""
-    from triton.testing import do_bench
-    xs = [x.detach().clone().requires_grad_(backward) for x in inputs]
-    do = None
-
-    def step():
-        nonlocal do
-        o = fn(*xs)
-        if backward:
-            if do is None:
-                do = torch.randn_like(o)
-            o.backward(do)
-            for x in xs:
-                x.grad = None
-        return o
-
-    step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = do_bench(step, warmup=50, rep=300, return_mode="median")
-    return ms, peak
 
 
 def ours(q, k, v, s, f):
@@ -76,22 +51,6 @@ def fla_fn():
 def sdpa(q, k, v, s, f):
     qq, kk, vv = (x.transpose(1, 2) for x in (q, k, v))
     return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(1, 2)
-
-
-def profile(fn, inputs, label):
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
-    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    o = fn(*xs)
-    o.backward(torch.ones_like(o))
-    torch.cuda.synchronize()
-    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
-        o = fn(*xs)
-        o.backward(torch.ones_like(o))
-        torch.cuda.synchronize()
-    print(f"\n-- {label}: CUDA time per kernel (one fwd+bwd)")
-    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
-    for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
-        print(f"   {ms:8.3f} ms  {name[:90]}")
 
 
 # (chunk, chunk warps, scan warps, scan D tile): alternatives to the defaults in kernels/gsa/__init__.py

@@ -50,3 +50,18 @@ def unavailable() -> str | None:
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"[:300]
     return None
+
+
+def assert_fits_h100(module: str, call: str, n_kernels: int):
+    """The test body both kernel families share: compile in a fresh process, skip only when this Triton has no CUDA
+    backend, and check every kernel's shared memory against the H100's."""
+    import pytest
+
+    pytest.importorskip("triton")
+    smem = shared_memory_in_subprocess(module, call)
+    if "unavailable" in smem:
+        pytest.skip(f"this Triton cannot compile for CUDA: {smem['unavailable']}")
+    assert len(smem) == n_kernels, smem
+    for name, nbytes in smem.items():
+        assert nbytes <= H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {H100_SMEM})"
+

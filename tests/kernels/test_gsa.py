@@ -240,13 +240,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256) -> dict:
 
 @pytest.mark.parametrize("M", [64, 128])   # chunk 32 at M = 64, 16 at M = 128: the largest tiles each takes
 def test_triton_kernels_compile_for_h100(M):
-    pytest.importorskip("triton")
-    smem = sm90.shared_memory_in_subprocess("tests.kernels.test_gsa", f"compile_for_sm90({M})")
-    if "unavailable" in smem:
-        pytest.skip(f"this Triton cannot compile for CUDA: {smem['unavailable']}")
-    assert len(smem) == 5, smem
-    for name, nbytes in smem.items():
-        assert nbytes <= sm90.H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {sm90.H100_SMEM})"
+    sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M})", 5)
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16

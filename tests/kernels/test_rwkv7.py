@@ -192,13 +192,7 @@ def compile_for_sm90(K: int, V: int) -> dict:
 
 @pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
 def test_triton_kernels_compile_for_h100(K, V):
-    pytest.importorskip("triton")
-    smem = sm90.shared_memory_in_subprocess("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})")
-    if "unavailable" in smem:
-        pytest.skip(f"this Triton cannot compile for CUDA: {smem['unavailable']}")
-    assert len(smem) == 4, smem
-    for name, nbytes in smem.items():
-        assert nbytes <= sm90.H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {sm90.H100_SMEM})"
+    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", 4)
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
