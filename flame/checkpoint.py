@@ -39,6 +39,8 @@ class Checkpointer:
         self.cfg, self.rank, self.use_async = cfg, rank, use_async
         self.folder = run_dir / cfg.folder
         self.pending: Future | None = None
+        self.written: tuple[int, float] | None = None
+        """Rank 0: (step, seconds from the start of its save until it was complete on disk) of the last save."""
         if use_async:
             self.pg = dist.new_group(backend="gloo")  # async DCP needs a CPU process group
             # on GPU, reuse one pinned CPU copy across saves; on CPU, DCP's default copy
@@ -91,12 +93,12 @@ class Checkpointer:
                                       async_stager=self.stager)
             self.pending = getattr(response, "upload_completion", response)
             if self.rank == 0:  # rank 0's save returns after DCP wrote the metadata, i.e. after every rank
-                self.pending.add_done_callback(lambda f: f.exception() is None and self._finalize(step))
+                self.pending.add_done_callback(lambda f: f.exception() is None and self._finalize(step, start))
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             dist.barrier()
             if self.rank == 0:
-                self._finalize(step)
+                self._finalize(step, start)
         return time.perf_counter() - start
 
     def wait(self) -> None:
@@ -121,7 +123,8 @@ class Checkpointer:
         meta = dcp.FileSystemReader(str(self.path(step))).read_metadata()
         return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
 
-    def _finalize(self, step: int) -> None:
+    def _finalize(self, step: int, start: float) -> None:
+        self.written = (step, time.perf_counter() - start)
         final = self.path(step)
         shutil.rmtree(final, ignore_errors=True)
         (self.folder / f"step-{step}.tmp").rename(final)

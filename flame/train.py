@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,9 @@ class Trainer:
             signal.signal(sig, self.on_signal)
         wandb_id = None
         if resume_step is not None:
+            start = time.perf_counter()
             wandb_id = self.load_checkpoint(resume_step)
+            load_seconds = time.perf_counter() - start
         self.metrics = MetricsLogger(cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
                                      device=self.device, flops_per_token=self.flops_per_token, wandb_id=wandb_id)
         ids = [self.metrics.wandb_id]  # only rank 0 talks to wandb; every rank saves the same train state
@@ -106,7 +109,8 @@ class Trainer:
                    f"{self.flops_per_token / 1e9:.2f} GFLOP/token | {self.d.world_size} ranks on {self.device.type} "
                    f"(replicate x shard = {tuple(self.d.mesh.shape)}) | global batch {self.global_batch} x "
                    f"{t.seq_len} tokens | run folder {self.run_dir}"
-                   + (f" | resumed from step {resume_step}" if resume_step is not None else ""))
+                   + (f" | resumed from step {resume_step} (loaded in {load_seconds:.1f} s)"
+                      if resume_step is not None else ""))
 
     def print(self, msg: str) -> None:
         if self.rank == 0:
@@ -236,11 +240,19 @@ class Trainer:
                 "rng": {f"rank_{self.rank}": rng_state()}}
 
     def save_checkpoint(self) -> None:
-        blocked = self.checkpointer.save(self.step, self.state_dict())
+        blocked = self.checkpointer.save(self.step, self.state_dict())  # completes the previous save first
         self.last_saved = self.step
         mode = "async, written in the background" if self.checkpointer.use_async else "sync"
         self.print(f"checkpoint step-{self.step}: training blocked {blocked:.2f} s ({mode})")
+        self.report_written()
         self.metrics.log_extra(self.step, {"checkpoint_blocked_sec": blocked})
+
+    def report_written(self) -> None:
+        """Rank 0: how long the last complete save took to reach the disk (for async saves, said once it is)."""
+        if self.checkpointer.written is not None:
+            step, seconds = self.checkpointer.written
+            self.checkpointer.written = None
+            self.print(f"checkpoint step-{step}: complete on disk {seconds:.1f} s after the save began")
 
     def load_checkpoint(self, step: int) -> str | None:
         ts = {"step": 0, "tokens_seen": 0, "skipped_steps": 0, "wandb_id": "", "dp_world": 0, "data_workers": 0,
@@ -283,6 +295,7 @@ class Trainer:
         waiting on other ranks: one of them may be gone."""
         if clean:
             self.checkpointer.close()
+            self.report_written()
         self.loader.close()
         self.metrics.close()
         if clean:

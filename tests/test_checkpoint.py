@@ -110,12 +110,15 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
     the 2-rank run's global batches: the losses agree up to summation order."""
     args = ["--training.batch_size=2", *CONSTANT_LR, "--checkpoint.interval=2"]
     path, dump2 = write_config(tmp_path, "two")
-    assert run_train(path, "--training.steps=4", "--checkpoint.async_mode=async", *args, nproc=2).returncode == 0
+    saved = run_train(path, "--training.steps=4", "--checkpoint.async_mode=async", *args, nproc=2)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    for step in (2, 4):  # each async save reports when it is complete on disk: the earlier one at the next save
+        assert f"checkpoint step-{step}: complete on disk" in saved.stdout
     path, dump = write_config(tmp_path, "resharded")
     assert run_train(path, "--training.steps=2", *args, nproc=2).returncode == 0
     proc = run_train(path, "--training.steps=4", "--training.batch_size=4", *CONSTANT_LR)  # 1 rank, same batch
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from step 2" in proc.stdout
+    assert "resumed from step 2 (loaded in" in proc.stdout
     expected, got = last_loss_per_step(dump2), last_loss_per_step(dump)
     assert got[3] == pytest.approx(expected[3], rel=1e-6) and got[4] == pytest.approx(expected[4], rel=1e-6)
     # the async run's checkpoints are complete and hold the same weights as the sync ones at step 2
