@@ -21,6 +21,21 @@ def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_
 
 
 @triton.jit
+def load_cols(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t, m_f):
+    """[BD, BT]: the same rows as load_rows, transposed (feature-major). A product whose output has 16 token rows
+    leaves most of 4 warps idle and copies its left operand into every warp; the same product transposed has 64
+    feature rows (M = 64), which the tensor cores take whole."""
+    p = ptr + (tok[None, :].to(tl.int64) * H + i_h) * D + feats[:, None]
+    return tl.load(p, mask=m_f[:, None] & m_t[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def store_cols(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t, m_f):
+    p = ptr + (tok[None, :].to(tl.int64) * H + i_h) * D + feats[:, None]
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_f[:, None] & m_t[None, :])
+
+
+@triton.jit
 def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
     """First token of global chunk i_c and the end of its sequence (chunks never straddle two sequences)."""
     i_n = tl.load(chunk_index + 2 * i_c)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, decay_on, diag_of, level_split, load_rows, store_rows
+from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, decay_on, diag_of, level_split_t, load_rows, store_rows
+from kernels.tl_utils import load_cols, store_cols
 
 
 @triton.jit
@@ -62,6 +63,7 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                dr, dw, dk, dv, da, db, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    # Token tiles are held feature-major ([BK or BV, BT], suffix T), so the large products have M = 64.
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
@@ -70,22 +72,19 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     cb = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     m_k = ck < K
-    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
-    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
-    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-    b_a = load_rows(a, tok, i_h, H, K, ck, m_t, m_k)
-    b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
-    g, ge, gC = chunk_decays(b_w)
-    to_end = tl.exp(gC[None, :] - g)
-    k_end = b_k * to_end
+    # Only k^ = k e^{gC - g} is needed inside the V loop; the other token tiles are loaded after it, so that they
+    # do not hold registers through the loop's products.
+    gC = tl.sum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1)
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) \
+        * tl.exp(gC[:, None] - tl.cumsum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1))
     A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
     A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
 
     # Gradients of the chunk's linear pieces, summed over V tiles.
-    d_rdec = tl.zeros([BT, BK], dtype=tl.float32)
-    d_adec = tl.zeros([BT, BK], dtype=tl.float32)
-    d_bend = tl.zeros([BT, BK], dtype=tl.float32)
-    d_kend = tl.zeros([BT, BK], dtype=tl.float32)
+    d_rdecT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_adecT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_bendT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_kendT = tl.zeros([BK, BT], dtype=tl.float32)
     d_gC = tl.zeros([BK], dtype=tl.float32)
     dA_rb = tl.zeros([BT, BT], dtype=tl.float32)
     dA_rk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -99,70 +98,77 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         m_kv = m_k[:, None] & m_v[None, :]
         S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.)
         dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
-        b_U = load_rows(U, tok, i_h, H, V, cv, m_t, m_v)
-        b_dZ = load_rows(dZ, tok, i_h, H, V, cv, m_t, m_v)
-        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        d_rdec += tl.dot(b_do, tl.trans(S0), input_precision=PREC)
-        d_adec += tl.dot(b_dZ, tl.trans(S0), input_precision=PREC)
-        d_bend += tl.dot(b_U, tl.trans(dSC), input_precision=PREC)
-        d_kend += tl.dot(b_v, tl.trans(dSC), input_precision=PREC)
+        UT = load_cols(U, tok, i_h, H, V, cv, m_t, m_v)
+        dZT = load_cols(dZ, tok, i_h, H, V, cv, m_t, m_v)
+        doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
+        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
+        d_rdecT += tl.dot(S0, doT, input_precision=PREC)
+        d_adecT += tl.dot(S0, dZT, input_precision=PREC)
+        d_bendT += tl.dot(dSC, UT, input_precision=PREC)
+        d_kendT += tl.dot(dSC, vT, input_precision=PREC)
         d_gC += tl.sum(S0 * dSC, axis=1)
-        dA_rb += tl.dot(b_do, tl.trans(b_U), input_precision=PREC)
-        dA_rk += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        dA_ab += tl.dot(b_dZ, tl.trans(b_U), input_precision=PREC)
-        dA_ak += tl.dot(b_dZ, tl.trans(b_v), input_precision=PREC)
-        b_dv = scale * tl.dot(tl.trans(A_rk), b_do, input_precision=PREC) \
-            + tl.dot(tl.trans(A_ak), b_dZ, input_precision=PREC) + tl.dot(k_end, dSC, input_precision=PREC)
-        store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
+        dA_rb += tl.dot(tl.trans(doT), UT, input_precision=PREC)
+        dA_rk += tl.dot(tl.trans(doT), vT, input_precision=PREC)
+        dA_ab += tl.dot(tl.trans(dZT), UT, input_precision=PREC)
+        dA_ak += tl.dot(tl.trans(dZT), vT, input_precision=PREC)
+        dvT = scale * tl.dot(doT, A_rk, input_precision=PREC) + tl.dot(dZT, A_ak, input_precision=PREC) \
+            + tl.dot(tl.trans(dSC), k_endT, input_precision=PREC)
+        store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
     incl = rows[:, None] >= cb[None, :]
     strict = rows[:, None] > cb[None, :]
     dA_rb = tl.where(incl, dA_rb * scale, 0.)
     dA_rk = tl.where(incl, dA_rk * scale, 0.)
     dA_ab = tl.where(strict, dA_ab, 0.)
     dA_ak = tl.where(strict, dA_ak, 0.)
-    d_gC = d_gC * tl.exp(gC)
+    rT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k)
+    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+    kT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k)
+    aT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k)
+    bT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k)
+    gT = tl.cumsum(wT, axis=1)
+    geT = gT - wT
+    to_endT = tl.exp(gC[:, None] - gT)
+
+    # Everything but the pairwise terms first, so these accumulators die before the level loop.
+    # The chunk end reads +gC: its gradient goes on the last row (the reverse cumsum hands it to every row).
+    d_bendT *= to_endT
+    d_kendT *= to_endT
+    d_gC = d_gC * tl.exp(gC) + tl.sum(bT * d_bendT + kT * d_kendT, axis=1)
+    d_rb = diag_of(dA_rb, rows, cb)[None, :]
+    d_rk = diag_of(dA_rk, rows, cb)[None, :]
+    drT = d_rb * bT + d_rk * kT + scale * d_rdecT * tl.exp(gT)
+    daT = d_adecT * tl.exp(geT)
+    dbT = d_rb * rT + d_bendT
+    dkT = d_rk * rT + d_kendT
 
     # Pairwise matrices back to their factors, level by level as in the forward:
-    # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t, plus the diagonal.
-    d_rb = diag_of(dA_rb, rows, cb)[:, None]
-    d_rk = diag_of(dA_rk, rows, cb)[:, None]
-    dr_p = d_rb * b_b + d_rk * b_k
-    db_p = d_rb * b_r
-    dk_p = d_rk * b_r
-    da_p = tl.zeros([BT, BK], dtype=tl.float32)
+    # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
-        g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
-        e_r = decay_on(second, g - g_ref)
-        e_a = decay_on(second, ge - g_ref)
-        e_col = decay_on(first, g_ref - g)
-        r_hat = b_r * e_r
-        a_hat = b_a * e_a
-        b_hat = b_b * e_col
-        k_hat = b_k * e_col
+        g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
+        e_r = decay_on(second, gT - g_refT)
+        e_a = decay_on(second, geT - g_refT)
+        e_col = decay_on(first, g_refT - gT)
+        r_hat = rT * e_r
+        a_hat = aT * e_a
+        b_hat = bT * e_col
+        k_hat = kT * e_col
         m_rb = tl.where(pair, dA_rb, 0.)
         m_rk = tl.where(pair, dA_rk, 0.)
         m_ab = tl.where(pair, dA_ab, 0.)
         m_ak = tl.where(pair, dA_ak, 0.)
-        dr_p += e_r * (tl.dot(m_rb, b_hat, input_precision=PREC) + tl.dot(m_rk, k_hat, input_precision=PREC))
-        da_p += e_a * (tl.dot(m_ab, b_hat, input_precision=PREC) + tl.dot(m_ak, k_hat, input_precision=PREC))
-        db_p += e_col * (tl.dot(tl.trans(m_rb), r_hat, input_precision=PREC)
-                         + tl.dot(tl.trans(m_ab), a_hat, input_precision=PREC))
-        dk_p += e_col * (tl.dot(tl.trans(m_rk), r_hat, input_precision=PREC)
-                         + tl.dot(tl.trans(m_ak), a_hat, input_precision=PREC))
+        drT += e_r * (tl.dot(b_hat, tl.trans(m_rb), input_precision=PREC)
+                      + tl.dot(k_hat, tl.trans(m_rk), input_precision=PREC))
+        daT += e_a * (tl.dot(b_hat, tl.trans(m_ab), input_precision=PREC)
+                      + tl.dot(k_hat, tl.trans(m_ak), input_precision=PREC))
+        dbT += e_col * (tl.dot(r_hat, m_rb, input_precision=PREC) + tl.dot(a_hat, m_ab, input_precision=PREC))
+        dkT += e_col * (tl.dot(r_hat, m_rk, input_precision=PREC) + tl.dot(a_hat, m_ak, input_precision=PREC))
 
-    b_dr = dr_p + scale * d_rdec * tl.exp(g)
-    b_da = da_p + d_adec * tl.exp(ge)
-    b_db = db_p + d_bend * to_end
-    b_dk = dk_p + d_kend * to_end
-    # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s,
-    # the chunk end reads +gC (added on the last row, so the reverse cumsum hands it to every row).
-    d_gC += tl.sum(b_b * d_bend * to_end + k_end * d_kend, axis=0)
-    d_g = b_r * b_dr - b_b * b_db - b_k * b_dk + tl.where(rows[:, None] == BT - 1, d_gC[None, :], 0.)
-    d_ge = b_a * b_da
-    b_dw = tl.cumsum(d_g, axis=0, reverse=True) + tl.cumsum(d_ge, axis=0, reverse=True) - d_ge
-    store_rows(dr, b_dr, tok, i_h, H, K, ck, m_t, m_k)
-    store_rows(dw, b_dw, tok, i_h, H, K, ck, m_t, m_k)
-    store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
-    store_rows(da, b_da, tok, i_h, H, K, ck, m_t, m_k)
-    store_rows(db, b_db, tok, i_h, H, K, ck, m_t, m_k)
+    # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s
+    d_g = rT * drT - bT * dbT - kT * dkT + tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.)
+    d_ge = aT * daT
+    dwT = tl.cumsum(d_g, axis=1, reverse=True) + tl.cumsum(d_ge, axis=1, reverse=True) - d_ge
+    store_cols(dr, drT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)

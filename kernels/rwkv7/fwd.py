@@ -34,6 +34,20 @@ def level_split(g, rows, cols, BS: tl.constexpr):
 
 
 @triton.jit
+def level_split_t(gT, rows, cols, BS: tl.constexpr):
+    """level_split for feature-major tiles: gT [BK, BT] and g_ref likewise; the half masks are [1, BT] (token
+    columns); the pair mask is [BT, BT] (t, s) as before."""
+    ref = (rows // BS) * BS + BS // 2 - 1
+    onehot_t = tl.where(cols[:, None] == ref[None, :], 1., 0.)  # [s, t] = 1 where s is t's reference row
+    g_ref = tl.dot(gT, onehot_t, input_precision="ieee")
+    second = ((rows % BS) >= BS // 2)[None, :]
+    first = ((rows % BS) < BS // 2)[None, :]
+    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
+        & ((cols[None, :] % BS) < BS // 2)
+    return g_ref, second, first, pair
+
+
+@triton.jit
 def chunk_decays(w):
     """Inclusive g, exclusive ge (both <= 0, non-increasing down the rows) and the chunk total gC [BK]."""
     g = tl.cumsum(w, axis=0)
