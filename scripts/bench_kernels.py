@@ -97,16 +97,16 @@ def profile(fn, inputs, label):
 
 
 def sweep(mod, inputs):
-    """Alternatives to the defaults set in kernels/rwkv7/__init__.py: per-chunk kernel warps, scan V tile."""
-    default = (mod.SCAN_BV, mod.CHUNK_WARPS)
-    for cw in (4, 8):
-        for bv in (None, 16, 32, 64):
-            mod.SCAN_BV, mod.CHUNK_WARPS = bv, cw
-            f_ms, _ = bench(ours, inputs, False)
-            fb_ms, _ = bench(ours, inputs, True)
-            print(f"   sweep chunk_warps={cw} scan_BV={bv or 'auto'}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms",
-                  flush=True)
-    mod.SCAN_BV, mod.CHUNK_WARPS = default
+    """Alternatives to the defaults set in kernels/rwkv7/__init__.py: warps of the two per-chunk kernels, scan V
+    tile."""
+    default = (mod.SCAN_BV, mod.PREP_WARPS, mod.BWD_WARPS)
+    for pw, bw, bv in [(4, 4, 32), (4, 4, 64), (8, 4, 64), (4, 8, 64), (8, 8, 64), (4, 8, 32)]:
+        mod.SCAN_BV, mod.PREP_WARPS, mod.BWD_WARPS = bv, pw, bw
+        f_ms, _ = bench(ours, inputs, False)
+        fb_ms, _ = bench(ours, inputs, True)
+        print(f"   sweep prep_warps={pw} bwd_warps={bw} scan_BV={bv}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms",
+              flush=True)
+    mod.SCAN_BV, mod.PREP_WARPS, mod.BWD_WARPS = default
 
 
 def main():

@@ -26,8 +26,9 @@ PREC = "tf32"
 # a first call compiles each kernel once. scripts/bench_kernels.py --sweep times the alternatives.
 SCAN_BV: int | None = None
 SCAN_WARPS = 4
-# warps of the two per-chunk kernels (prep, backward intra-chunk)
-CHUNK_WARPS = 4
+# warps of the two per-chunk kernels (forward prep, backward intra-chunk)
+PREP_WARPS = 4
+BWD_WARPS = 4
 
 
 def _scan_bv(V: int) -> int:
@@ -50,7 +51,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
-                       LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
+                       LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=PREP_WARPS)
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
@@ -84,7 +85,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                         dr, dw, dk, dv, da, db, scale,
                         H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
-                        LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
+                        LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=BWD_WARPS)
     return dr, dw, dk, dv, da, db, dh0
 
 

@@ -19,32 +19,45 @@ from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_rows, store_r
 
 
 @triton.jit
-def level_split(g, rows, cols, BS: tl.constexpr):
-    """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its
-    first half). Returns g at each row's reference (the last row of its block's first half), the half masks and the
-    pair mask. g_ref is a row gather, done as an exact fp32 product with a one-hot matrix."""
-    ref = (rows // BS) * BS + BS // 2 - 1
-    onehot = tl.where(ref[:, None] == cols[None, :], 1., 0.)
-    g_ref = tl.dot(onehot, g, input_precision="ieee")
-    second = ((rows % BS) >= BS // 2)[:, None]
-    first = ((rows % BS) < BS // 2)[:, None]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return g_ref, second, first, pair
+def _half_block_sums(w, HB: tl.constexpr, AXIS: tl.constexpr):
+    """Within each run of HB tokens along AXIS: the inclusive sum up to each token, and the sum after it."""
+    if AXIS == 0:
+        x = tl.reshape(w, (w.shape[0] // HB, HB, w.shape[1]))
+        incl = tl.reshape(tl.cumsum(x, axis=1), w.shape)
+        after = tl.reshape(tl.cumsum(x, axis=1, reverse=True) - x, w.shape)
+    else:
+        x = tl.reshape(w, (w.shape[0], w.shape[1] // HB, HB))
+        incl = tl.reshape(tl.cumsum(x, axis=2), w.shape)
+        after = tl.reshape(tl.cumsum(x, axis=2, reverse=True) - x, w.shape)
+    return incl, after
 
 
 @triton.jit
-def level_split_t(gT, rows, cols, BS: tl.constexpr):
-    """level_split for feature-major tiles: gT [BK, BT] and g_ref likewise; the half masks are [1, BT] (token
-    columns); the pair mask is [BT, BT] (t, s) as before."""
-    ref = (rows // BS) * BS + BS // 2 - 1
-    onehot_t = tl.where(cols[:, None] == ref[None, :], 1., 0.)  # [s, t] = 1 where s is t's reference row
-    g_ref = tl.dot(gT, onehot_t, input_precision="ieee")
-    second = ((rows % BS) >= BS // 2)[None, :]
-    first = ((rows % BS) < BS // 2)[None, :]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return g_ref, second, first, pair
+def level(w, idx, cols, lvl, BT: tl.constexpr, LEVELS: tl.constexpr, AXIS: tl.constexpr):
+    """Level lvl (a runtime value) of the pairwise decomposition: blocks of BS = BT >> lvl tokens, pairs (t in a
+    block's second half, s in its first half), both factored through the block's reference token m (the last of
+    the first half). w: log decays with tokens along AXIS (0: [BT, BK], 1: [BK, BT]); idx: the token index,
+    broadcast along AXIS; cols: the token indices 0..BT-1. Returns the decay factors
+        e_row       = exp(sum of w over (m, t])   on second-half tokens t
+        e_row_excl  = exp(sum of w over (m, t))   on second-half tokens t (rows that read the exclusive decay)
+        e_col       = exp(sum of w over (s, m])   on first-half tokens s
+    (0 elsewhere) and the [BT, BT] pair mask. Each sum runs directly over the tokens between the two (a cumulative
+    sum within the half block), never as a difference of chunk-long cumulative sums, so a factor near 1 keeps its
+    relative precision after steps of very negative w.
+    Callers loop over levels with a runtime `range`: unrolled, the compiler computes every level's factors up front
+    and keeps them all live (register spills)."""
+    incl = tl.zeros_like(w)
+    after = tl.zeros_like(w)
+    for j in tl.static_range(LEVELS):  # the half-block length must be a compile-time constant
+        if lvl == j:
+            incl, after = _half_block_sums(w, (BT >> j) // 2, AXIS)
+    BS = BT >> lvl
+    HB = BS // 2
+    second = (idx % BS) >= HB
+    first = (idx % BS) < HB
+    u, t = cols[:, None], cols[None, :]
+    pair = ((u // BS) == (t // BS)) & ((u % BS) >= HB) & ((t % BS) < HB)
+    return decay_on(second, incl), decay_on(second, incl - w), decay_on(first, after), pair
 
 
 @triton.jit
@@ -82,11 +95,10 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
     A_rk = tl.where(eye, tl.sum(b_r * b_k, axis=1)[:, None], 0.)
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
     A_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    for lvl in tl.static_range(LEVELS):
-        g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
-        r_hat = b_r * decay_on(second, g - g_ref)
-        a_hat = b_a * decay_on(second, ge - g_ref)
-        e_col = decay_on(first, g_ref - g)
+    for lvl in range(LEVELS):  # see level()
+        e_r, e_a, e_col, pair = level(b_w, rows[:, None], cb, lvl, BT, LEVELS, 0)
+        r_hat = b_r * e_r
+        a_hat = b_a * e_a
         b_hat = tl.trans(b_b * e_col)
         k_hat = tl.trans(b_k * e_col)
         A_rb += tl.where(pair, tl.dot(r_hat, b_hat, input_precision=PREC), 0.)

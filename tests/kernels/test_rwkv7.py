@@ -182,11 +182,11 @@ def compile_for_sm90(K: int, V: int) -> dict:
     chunk = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=BT.bit_length() - 1, PREC=m.PREC)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
     return {
-        "_fwd_prep": sm90.build(_fwd_prep, chunk, m.CHUNK_WARPS, f32).metadata.shared,
+        "_fwd_prep": sm90.build(_fwd_prep, chunk, m.PREP_WARPS, f32).metadata.shared,
         "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True), m.SCAN_WARPS, f32).metadata.shared,
         "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS,
                                 f32).metadata.shared,
-        "_bwd_chunk": sm90.build(_bwd_chunk, chunk, m.CHUNK_WARPS, f32).metadata.shared,
+        "_bwd_chunk": sm90.build(_bwd_chunk, chunk, m.BWD_WARPS, f32).metadata.shared,
     }
 
 
