@@ -97,16 +97,16 @@ def profile(fn, inputs, label):
 
 
 def sweep(mod, inputs):
-    """Alternatives to the defaults set in kernels/rwkv7/__init__.py: warps of the two per-chunk kernels, scan V
-    tile."""
-    default = (mod.SCAN_BV, mod.PREP_WARPS, mod.BWD_WARPS)
-    for pw, bw, bv in [(4, 4, 32), (4, 4, 64), (8, 4, 64), (4, 8, 64), (8, 8, 64), (4, 8, 32)]:
-        mod.SCAN_BV, mod.PREP_WARPS, mod.BWD_WARPS = bv, pw, bw
+    """Alternatives to the defaults set in kernels/rwkv7/__init__.py: scan V tile and warps, warps of the two
+    per-chunk kernels."""
+    default = (mod.SCAN_BV, mod.SCAN_WARPS, mod.PREP_WARPS, mod.BWD_WARPS)
+    for cfg in [(32, 4, 4, 4), (64, 4, 4, 4), (32, 8, 4, 4), (64, 8, 4, 4), (16, 4, 4, 4), (64, 8, 8, 4)]:
+        mod.SCAN_BV, mod.SCAN_WARPS, mod.PREP_WARPS, mod.BWD_WARPS = cfg
         f_ms, _ = bench(ours, inputs, False)
         fb_ms, _ = bench(ours, inputs, True)
-        print(f"   sweep prep_warps={pw} bwd_warps={bw} scan_BV={bv}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms",
-              flush=True)
-    mod.SCAN_BV, mod.PREP_WARPS, mod.BWD_WARPS = default
+        print(f"   sweep scan_BV={cfg[0]} scan_warps={cfg[1]} prep_warps={cfg[2]} bwd_warps={cfg[3]}: "
+              f"fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+    mod.SCAN_BV, mod.SCAN_WARPS, mod.PREP_WARPS, mod.BWD_WARPS = default
 
 
 def main():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, decay_on, diag_of, level, load_rows, store_rows
+from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, decay_on, diag_of, level_split_t, load_rows, store_rows
 from kernels.tl_utils import load_cols, store_cols
 
 
@@ -19,6 +19,7 @@ from kernels.tl_utils import load_cols, store_cols
 def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
@@ -40,20 +41,21 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
         i_t = nt - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
-        g, ge, gC = chunk_decays(b_w)
-        r_dec = load_rows(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(g)
-        a_dec = load_rows(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(ge)
-        b_end = load_rows(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[None, :] - g)
-        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
+        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        gT = tl.cumsum(wT, axis=1)
+        gC = tl.sum(wT, axis=1)
+        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT - wT)
+        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - gT)
+        doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
         tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
-        dU = scale * tl.dot(tl.trans(A_rb), b_do, input_precision=PREC) + tl.dot(b_end, dS, input_precision=PREC)
-        b_dZ = tl.dot(tl.trans(T), dU, input_precision=PREC)
-        store_rows(dZ, b_dZ, tok, i_h, H, V, cv, m_t, m_v)
-        dS = tl.exp(gC)[:, None] * dS + scale * tl.dot(tl.trans(r_dec), b_do, input_precision=PREC) \
-            + tl.dot(tl.trans(a_dec), b_dZ, input_precision=PREC)
+        dUT = scale * tl.dot(doT, A_rb, input_precision=PREC) + tl.dot(tl.trans(dS), b_endT, input_precision=PREC)
+        dZT = tl.dot(dUT, T, input_precision=PREC)
+        store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
+        dS = tl.exp(gC)[:, None] * dS + scale * tl.dot(r_decT, tl.trans(doT), input_precision=PREC) \
+            + tl.dot(a_decT, tl.trans(dZT), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
@@ -120,53 +122,55 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     dA_rk = tl.where(incl, dA_rk * scale, 0.)
     dA_ab = tl.where(strict, dA_ab, 0.)
     dA_ak = tl.where(strict, dA_ak, 0.)
-    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-    gT = tl.cumsum(wT, axis=1)
-    to_endT = tl.exp(gC[:, None] - gT)
-    d_rb = diag_of(dA_rb, rows, cb)[None, :]
-    d_rk = diag_of(dA_rk, rows, cb)[None, :]
-
-    # Pairwise matrices back to their factors, level by level as in the forward:
-    # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
-    # Two passes (rows: dr, da; columns: db, dk), each storing its gradients, so fewer tiles are live at once.
-    # The log decays collect x * dx from every factor: + for rows (r reads g_t, a reads ge_t), - for columns and the
-    # chunk-end factors; dw_s = sum_{t >= s} dg_t + sum_{t > s} dge_t.
-    bT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k)
-    kT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k)
-    drT = d_rb * bT + d_rk * kT + scale * d_rdecT * tl.exp(gT)
-    daT = d_adecT * tl.exp(gT - wT)
-    for lvl in range(LEVELS):  # see level()
-        e_r, e_a, e_col, pair = level(wT, rows[None, :], cb, lvl, BT, LEVELS, 1)
-        b_hat = bT * e_col
-        k_hat = kT * e_col
-        drT += e_r * (tl.dot(b_hat, tl.trans(tl.where(pair, dA_rb, 0.)), input_precision=PREC)
-                      + tl.dot(k_hat, tl.trans(tl.where(pair, dA_rk, 0.)), input_precision=PREC))
-        daT += e_a * (tl.dot(b_hat, tl.trans(tl.where(pair, dA_ab, 0.)), input_precision=PREC)
-                      + tl.dot(k_hat, tl.trans(tl.where(pair, dA_ak, 0.)), input_precision=PREC))
-    store_cols(dr, drT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
     rT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k)
+    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+    kT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k)
     aT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k)
-    d_ge = aT * daT
-    d_g = rT * drT
+    bT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k)
+    gT = tl.cumsum(wT, axis=1)
+    geT = gT - wT
+    to_endT = tl.exp(gC[:, None] - gT)
 
+    # Everything but the pairwise terms first, so these accumulators die before the level loop.
+    # The chunk end reads +gC: its gradient goes on the last row (the reverse cumsum hands it to every row).
     d_bendT *= to_endT
     d_kendT *= to_endT
     d_gC = d_gC * tl.exp(gC) + tl.sum(bT * d_bendT + kT * d_kendT, axis=1)
+    d_rb = diag_of(dA_rb, rows, cb)[None, :]
+    d_rk = diag_of(dA_rk, rows, cb)[None, :]
+    drT = d_rb * bT + d_rk * kT + scale * d_rdecT * tl.exp(gT)
+    daT = d_adecT * tl.exp(geT)
     dbT = d_rb * rT + d_bendT
     dkT = d_rk * rT + d_kendT
-    for lvl in range(LEVELS):
-        e_r, e_a, e_col, pair = level(wT, rows[None, :], cb, lvl, BT, LEVELS, 1)
+
+    # Pairwise matrices back to their factors, level by level as in the forward:
+    # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
+    for lvl in tl.static_range(LEVELS):
+        g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
+        e_r = decay_on(second, gT - g_refT)
+        e_a = decay_on(second, geT - g_refT)
+        e_col = decay_on(first, g_refT - gT)
         r_hat = rT * e_r
         a_hat = aT * e_a
-        dbT += e_col * (tl.dot(r_hat, tl.where(pair, dA_rb, 0.), input_precision=PREC)
-                        + tl.dot(a_hat, tl.where(pair, dA_ab, 0.), input_precision=PREC))
-        dkT += e_col * (tl.dot(r_hat, tl.where(pair, dA_rk, 0.), input_precision=PREC)
-                        + tl.dot(a_hat, tl.where(pair, dA_ak, 0.), input_precision=PREC))
-    store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
+        b_hat = bT * e_col
+        k_hat = kT * e_col
+        m_rb = tl.where(pair, dA_rb, 0.)
+        m_rk = tl.where(pair, dA_rk, 0.)
+        m_ab = tl.where(pair, dA_ab, 0.)
+        m_ak = tl.where(pair, dA_ak, 0.)
+        drT += e_r * (tl.dot(b_hat, tl.trans(m_rb), input_precision=PREC)
+                      + tl.dot(k_hat, tl.trans(m_rk), input_precision=PREC))
+        daT += e_a * (tl.dot(b_hat, tl.trans(m_ab), input_precision=PREC)
+                      + tl.dot(k_hat, tl.trans(m_ak), input_precision=PREC))
+        dbT += e_col * (tl.dot(r_hat, m_rb, input_precision=PREC) + tl.dot(a_hat, m_ab, input_precision=PREC))
+        dkT += e_col * (tl.dot(r_hat, m_rk, input_precision=PREC) + tl.dot(a_hat, m_ak, input_precision=PREC))
 
-    # the chunk end reads +gC: its gradient goes on the last row (the reverse cumsum hands it to every row)
-    d_g += tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.) - bT * dbT - kT * dkT
+    # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s
+    d_g = rT * drT - bT * dbT - kT * dkT + tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.)
+    d_ge = aT * daT
     dwT = tl.cumsum(d_g, axis=1, reverse=True) + tl.cumsum(d_ge, axis=1, reverse=True) - d_ge
+    store_cols(dr, drT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)

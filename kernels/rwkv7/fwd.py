@@ -15,49 +15,36 @@ import triton
 import triton.language as tl
 
 # bwd.py imports these from here too
-from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_rows, store_rows  # noqa: F401
+from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_cols, load_rows, store_cols, store_rows  # noqa: F401
 
 
 @triton.jit
-def _half_block_sums(w, HB: tl.constexpr, AXIS: tl.constexpr):
-    """Within each run of HB tokens along AXIS: the inclusive sum up to each token, and the sum after it."""
-    if AXIS == 0:
-        x = tl.reshape(w, (w.shape[0] // HB, HB, w.shape[1]))
-        incl = tl.reshape(tl.cumsum(x, axis=1), w.shape)
-        after = tl.reshape(tl.cumsum(x, axis=1, reverse=True) - x, w.shape)
-    else:
-        x = tl.reshape(w, (w.shape[0], w.shape[1] // HB, HB))
-        incl = tl.reshape(tl.cumsum(x, axis=2), w.shape)
-        after = tl.reshape(tl.cumsum(x, axis=2, reverse=True) - x, w.shape)
-    return incl, after
+def level_split(g, rows, cols, BS: tl.constexpr):
+    """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its
+    first half). Returns g at each row's reference (the last row of its block's first half), the half masks and the
+    pair mask. g_ref is a row gather, done as an exact fp32 product with a one-hot matrix."""
+    ref = (rows // BS) * BS + BS // 2 - 1
+    onehot = tl.where(ref[:, None] == cols[None, :], 1., 0.)
+    g_ref = tl.dot(onehot, g, input_precision="ieee")
+    second = ((rows % BS) >= BS // 2)[:, None]
+    first = ((rows % BS) < BS // 2)[:, None]
+    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
+        & ((cols[None, :] % BS) < BS // 2)
+    return g_ref, second, first, pair
 
 
 @triton.jit
-def level(w, idx, cols, lvl, BT: tl.constexpr, LEVELS: tl.constexpr, AXIS: tl.constexpr):
-    """Level lvl (a runtime value) of the pairwise decomposition: blocks of BS = BT >> lvl tokens, pairs (t in a
-    block's second half, s in its first half), both factored through the block's reference token m (the last of
-    the first half). w: log decays with tokens along AXIS (0: [BT, BK], 1: [BK, BT]); idx: the token index,
-    broadcast along AXIS; cols: the token indices 0..BT-1. Returns the decay factors
-        e_row       = exp(sum of w over (m, t])   on second-half tokens t
-        e_row_excl  = exp(sum of w over (m, t))   on second-half tokens t (rows that read the exclusive decay)
-        e_col       = exp(sum of w over (s, m])   on first-half tokens s
-    (0 elsewhere) and the [BT, BT] pair mask. Each sum runs directly over the tokens between the two (a cumulative
-    sum within the half block), never as a difference of chunk-long cumulative sums, so a factor near 1 keeps its
-    relative precision after steps of very negative w.
-    Callers loop over levels with a runtime `range`: unrolled, the compiler computes every level's factors up front
-    and keeps them all live (register spills)."""
-    incl = tl.zeros_like(w)
-    after = tl.zeros_like(w)
-    for j in tl.static_range(LEVELS):  # the half-block length must be a compile-time constant
-        if lvl == j:
-            incl, after = _half_block_sums(w, (BT >> j) // 2, AXIS)
-    BS = BT >> lvl
-    HB = BS // 2
-    second = (idx % BS) >= HB
-    first = (idx % BS) < HB
-    u, t = cols[:, None], cols[None, :]
-    pair = ((u // BS) == (t // BS)) & ((u % BS) >= HB) & ((t % BS) < HB)
-    return decay_on(second, incl), decay_on(second, incl - w), decay_on(first, after), pair
+def level_split_t(gT, rows, cols, BS: tl.constexpr):
+    """level_split for feature-major tiles: gT [BK, BT] and g_ref likewise; the half masks are [1, BT] (token
+    columns); the pair mask is [BT, BT] (t, s) as before."""
+    ref = (rows // BS) * BS + BS // 2 - 1
+    onehot_t = tl.where(cols[:, None] == ref[None, :], 1., 0.)  # [s, t] = 1 where s is t's reference row
+    g_ref = tl.dot(gT, onehot_t, input_precision="ieee")
+    second = ((rows % BS) >= BS // 2)[None, :]
+    first = ((rows % BS) < BS // 2)[None, :]
+    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
+        & ((cols[None, :] % BS) < BS // 2)
+    return g_ref, second, first, pair
 
 
 @triton.jit
@@ -95,10 +82,11 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
     A_rk = tl.where(eye, tl.sum(b_r * b_k, axis=1)[:, None], 0.)
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
     A_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    for lvl in range(LEVELS):  # see level()
-        e_r, e_a, e_col, pair = level(b_w, rows[:, None], cb, lvl, BT, LEVELS, 0)
-        r_hat = b_r * e_r
-        a_hat = b_a * e_a
+    for lvl in tl.static_range(LEVELS):
+        g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
+        r_hat = b_r * decay_on(second, g - g_ref)
+        a_hat = b_a * decay_on(second, ge - g_ref)
+        e_col = decay_on(first, g_ref - g)
         b_hat = tl.trans(b_b * e_col)
         k_hat = tl.trans(b_k * e_col)
         A_rb += tl.where(pair, tl.dot(r_hat, b_hat, input_precision=PREC), 0.)
@@ -131,6 +119,7 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
 def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
@@ -150,24 +139,26 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht
     for i_t in range(tl.cdiv(eos - bos, BT)):
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
-        g, ge, gC = chunk_decays(b_w)
-        to_end = tl.exp(gC[None, :] - g)
-        r_dec = load_rows(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(g)
-        b_end = load_rows(b, tok, i_h, H, K, ck, m_t, m_k) * to_end
-        k_end = load_rows(k, tok, i_h, H, K, ck, m_t, m_k) * to_end
-        b_W = load_rows(W, tok, i_h, H, K, ck, m_t, m_k)
-        b_Uv = load_rows(Uv, tok, i_h, H, V, cv, m_t, m_v)
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        gT = tl.cumsum(wT, axis=1)
+        gC = tl.sum(wT, axis=1)
+        to_endT = tl.exp(gC[:, None] - gT)
+        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
+        UvT = load_cols(Uv, tok, i_h, H, V, cv, m_t, m_v)
+        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
         tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
-        b_U = tl.dot(b_W, S, input_precision=PREC) + b_Uv
-        store_rows(U, b_U, tok, i_h, H, V, cv, m_t, m_v)
-        b_o = tl.dot(r_dec, S, input_precision=PREC) + tl.dot(A_rb, b_U, input_precision=PREC) \
-            + tl.dot(A_rk, b_v, input_precision=PREC)
-        store_rows(o, b_o * scale, tok, i_h, H, V, cv, m_t, m_v)
-        S = tl.exp(gC)[:, None] * S + tl.dot(tl.trans(b_end), b_U, input_precision=PREC) \
-            + tl.dot(tl.trans(k_end), b_v, input_precision=PREC)
+        St = tl.trans(S)
+        UT = tl.dot(St, WT, input_precision=PREC) + UvT
+        store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
+        oT = tl.dot(St, r_decT, input_precision=PREC) + tl.dot(UT, tl.trans(A_rb), input_precision=PREC) \
+            + tl.dot(vT, tl.trans(A_rk), input_precision=PREC)
+        store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
+        S = tl.exp(gC)[:, None] * S + tl.dot(b_endT, tl.trans(UT), input_precision=PREC) \
+            + tl.dot(k_endT, tl.trans(vT), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
