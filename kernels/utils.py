@@ -17,6 +17,18 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def scan_tile(D: int, sequences_x_heads: int) -> int:
+    """Feature tile of a sequential state scan (one program per sequence, head and tile walks all of the sequence's
+    chunks in order): the largest of 64, 32, 16 that still gives about one program per SM of an H100 (128).
+    Few long sequences then take narrow tiles, many sequences wide ones (measured for GSA and RWKV-7 in their
+    READMEs)."""
+    full = min(64, max(16, next_pow2(D)))
+    for bd in (64, 32):
+        if sequences_x_heads * -(-D // bd) >= 128:
+            return min(bd, full)
+    return min(16, full)
+
+
 def as_varlen(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
     """Every call becomes a packed batch: B equal-length rows are B sequences of length T (int32 offsets)."""
     if cu_seqlens is None:

@@ -15,7 +15,7 @@ import torch
 
 from kernels.gsa.naive import naive_gsa
 from kernels.gsa.torch_chunk import chunk_gsa_torch
-from kernels.utils import as_varlen, chunk_tables, next_pow2
+from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
 
 __all__ = ["chunk_gsa", "naive_gsa", "chunk_gsa_torch"]
 
@@ -28,7 +28,7 @@ __all__ = ["chunk_gsa", "naive_gsa", "chunk_gsa_torch"]
 CHUNK: int | None = None
 # fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
 PREC = "tf32"
-SCAN_BD: int | None = None   # D tile of the state scans (None: _scan_tile's choice)
+SCAN_BD: int | None = None   # D tile of the state scans (None: kernels.utils.scan_tile's choice)
 SCAN_WARPS = 4
 CHUNK_WARPS = 8   # fewer register spills than 4 in ptxas' report, and faster (bench_gsa.py --sweep)
 
@@ -39,16 +39,6 @@ def _chunk(M: int) -> int:
 
 def _tile(D: int) -> int:
     return min(64, max(16, next_pow2(D)))
-
-
-def _scan_tile(D: int, sequences_x_heads: int) -> int:
-    """D tile of the sequential state scans: the largest (64, 32, 16) that still gives about one program per SM of an
-    H100 (128), since each program walks all of its sequence's chunks in order. On an H100 (H=4, K=V=256, M=64):
-    B=8 x T=4096 keeps 64 (5.7 ms fwd+bwd; 16 tiles: 7.3 ms), B=2 x T=16384 takes 16 (9.4 ms; 64 tiles: 12.1 ms)."""
-    for bd in (64, 32):
-        if sequences_x_heads * -(-D // bd) >= 128:
-            return min(bd, _tile(D))
-    return min(16, _tile(D))
 
 
 def _slots(M: int) -> int:
@@ -65,7 +55,7 @@ def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
     N = cu.numel() - 1
     hs = torch.empty(NT, H, M, D, device=x.device, dtype=torch.float32)
     ht = torch.empty(N, H, M, D, device=x.device, dtype=torch.float32) if want_ht else None
-    BD = SCAN_BD or _scan_tile(D, N * H)
+    BD = SCAN_BD or scan_tile(D, N * H)
     _state_scan[(N, H, triton.cdiv(D, BD))](w, g, x, cu, chunk_offsets, h0, hs, ht,
                                             H=H, M=M, D=D, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
                                             HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC,

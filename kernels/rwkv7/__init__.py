@@ -15,7 +15,7 @@ import torch
 
 from kernels.rwkv7.naive import naive_rwkv7
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
-from kernels.utils import as_varlen, chunk_tables, next_pow2
+from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
 
 __all__ = ["chunk_rwkv7", "naive_rwkv7", "chunk_rwkv7_torch"]
 
@@ -31,10 +31,11 @@ PREP_WARPS = 4
 BWD_WARPS = 4
 
 
-def _scan_bv(V: int) -> int:
-    """V tile of the scans. 32 measured best on an H100 for B=8 x T=4096 and B=2 x T=16384 (H=16, V=64); 16 (more
-    programs for few sequences) was no faster at either (scripts/bench_kernels.py --sweep)."""
-    return SCAN_BV or min(32, max(16, next_pow2(V)))
+def _scan_bv(V: int, sequences_x_heads: int) -> int:
+    """V tile of the scans. On an H100 (H=16, V=64; scripts/bench_kernels.py --sweep): B=8 x T=4096 is fastest
+    with 64 (6.43 ms fwd+bwd; 32: 7.10), B=2 x T=16384 with 16 (9.75 ms; 32: 10.03, 64: 10.52): the same rule as
+    GSA's scans."""
+    return SCAN_BV or scan_tile(V, sequences_x_heads)
 
 
 def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
@@ -56,7 +57,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
-    BV = _scan_bv(V)
+    BV = _scan_bv(V, N * H)
     _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
                                           scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
                                           STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
@@ -75,7 +76,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dh = torch.empty(NT, H, K, V, **f32)
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    BV = _scan_bv(V)
+    BV = _scan_bv(V, N * H)
     _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
                                           H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
                                           STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
