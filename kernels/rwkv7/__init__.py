@@ -11,6 +11,8 @@ tensors under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.rwkv7.naive import naive_rwkv7
@@ -22,6 +24,11 @@ __all__ = ["chunk_rwkv7", "naive_rwkv7", "chunk_rwkv7_torch"]
 CHUNK = 16
 # fp32 dots on tensor cores run as tf32 (10-bit mantissa), enough for bf16 models; the interpreter computes exactly.
 PREC = "tf32"
+# Operand precision of the per-chunk kernels' products (_fwd_prep, _bwd_chunk): "tf32", or "bf16" (FLA's choice;
+# sums stay fp32). The scans, whose state products compound over the sequence, always take PREC.
+CHUNK_PREC = "tf32"
+# V tile of the per-chunk kernels
+CHUNK_BV = 64
 # V tile of the two sequential scans (None: by heuristic) and their warps. Fixed configs instead of autotuning:
 # a first call compiles each kernel once. scripts/bench_kernels.py --sweep times the alternatives.
 SCAN_BV: int | None = None
@@ -38,6 +45,11 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
     return SCAN_BV or scan_tile(V, sequences_x_heads)
 
 
+def _chunk_prec() -> str:
+    # the interpreter computes bf16 dots wrongly: there every product is exact fp32
+    return "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK_PREC
+
+
 def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
 
@@ -51,8 +63,8 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     Uv = torch.empty(1, T, H, V, **f32)
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
-                       H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
-                       LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=PREP_WARPS)
+                       H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
+                       LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), num_warps=PREP_WARPS)
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
@@ -85,8 +97,8 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dv = torch.empty_like(v)
     _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                         dr, dw, dk, dv, da, db, scale,
-                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(64, max(16, next_pow2(V))),
-                        LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=BWD_WARPS)
+                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
+                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), num_warps=BWD_WARPS)
     return dr, dw, dk, dv, da, db, dh0
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_bounds, chunk_decays, decay_on, diag_of, level_split_t, load_rows, store_rows
-from kernels.tl_utils import load_cols, store_cols
+from kernels.rwkv7.fwd import chunk_bounds, decay_on, diag_of, level_split_t, load_rows, store_rows
+from kernels.tl_utils import load_cols, mm, store_cols
 
 
 @triton.jit
@@ -51,11 +51,11 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
         tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
-        dUT = scale * tl.dot(doT, A_rb, input_precision=PREC) + tl.dot(tl.trans(dS), b_endT, input_precision=PREC)
-        dZT = tl.dot(dUT, T, input_precision=PREC)
+        dUT = scale * mm(doT, A_rb, PREC) + mm(tl.trans(dS), b_endT, PREC)
+        dZT = mm(dUT, T, PREC)
         store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
-        dS = tl.exp(gC)[:, None] * dS + scale * tl.dot(r_decT, tl.trans(doT), input_precision=PREC) \
-            + tl.dot(a_decT, tl.trans(dZT), input_precision=PREC)
+        dS = tl.exp(gC)[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
+            + mm(a_decT, tl.trans(dZT), PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
@@ -104,17 +104,17 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         dZT = load_cols(dZ, tok, i_h, H, V, cv, m_t, m_v)
         doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
-        d_rdecT += tl.dot(S0, doT, input_precision=PREC)
-        d_adecT += tl.dot(S0, dZT, input_precision=PREC)
-        d_bendT += tl.dot(dSC, UT, input_precision=PREC)
-        d_kendT += tl.dot(dSC, vT, input_precision=PREC)
+        d_rdecT += mm(S0, doT, PREC)
+        d_adecT += mm(S0, dZT, PREC)
+        d_bendT += mm(dSC, UT, PREC)
+        d_kendT += mm(dSC, vT, PREC)
         d_gC += tl.sum(S0 * dSC, axis=1)
-        dA_rb += tl.dot(tl.trans(doT), UT, input_precision=PREC)
-        dA_rk += tl.dot(tl.trans(doT), vT, input_precision=PREC)
-        dA_ab += tl.dot(tl.trans(dZT), UT, input_precision=PREC)
-        dA_ak += tl.dot(tl.trans(dZT), vT, input_precision=PREC)
-        dvT = scale * tl.dot(doT, A_rk, input_precision=PREC) + tl.dot(dZT, A_ak, input_precision=PREC) \
-            + tl.dot(tl.trans(dSC), k_endT, input_precision=PREC)
+        dA_rb += mm(tl.trans(doT), UT, PREC)
+        dA_rk += mm(tl.trans(doT), vT, PREC)
+        dA_ab += mm(tl.trans(dZT), UT, PREC)
+        dA_ak += mm(tl.trans(dZT), vT, PREC)
+        dvT = scale * mm(doT, A_rk, PREC) + mm(dZT, A_ak, PREC) \
+            + mm(tl.trans(dSC), k_endT, PREC)
         store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
     incl = rows[:, None] >= cb[None, :]
     strict = rows[:, None] > cb[None, :]
@@ -158,12 +158,12 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         m_rk = tl.where(pair, dA_rk, 0.)
         m_ab = tl.where(pair, dA_ab, 0.)
         m_ak = tl.where(pair, dA_ak, 0.)
-        drT += e_r * (tl.dot(b_hat, tl.trans(m_rb), input_precision=PREC)
-                      + tl.dot(k_hat, tl.trans(m_rk), input_precision=PREC))
-        daT += e_a * (tl.dot(b_hat, tl.trans(m_ab), input_precision=PREC)
-                      + tl.dot(k_hat, tl.trans(m_ak), input_precision=PREC))
-        dbT += e_col * (tl.dot(r_hat, m_rb, input_precision=PREC) + tl.dot(a_hat, m_ab, input_precision=PREC))
-        dkT += e_col * (tl.dot(r_hat, m_rk, input_precision=PREC) + tl.dot(a_hat, m_ak, input_precision=PREC))
+        drT += e_r * (mm(b_hat, tl.trans(m_rb), PREC)
+                      + mm(k_hat, tl.trans(m_rk), PREC))
+        daT += e_a * (mm(b_hat, tl.trans(m_ab), PREC)
+                      + mm(k_hat, tl.trans(m_ak), PREC))
+        dbT += e_col * (mm(r_hat, m_rb, PREC) + mm(a_hat, m_ab, PREC))
+        dkT += e_col * (mm(r_hat, m_rk, PREC) + mm(a_hat, m_ak, PREC))
 
     # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s
     d_g = rT * drT - bT * dbT - kT * dkT + tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.)

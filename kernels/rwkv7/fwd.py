@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 # bwd.py imports these from here too
-from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_cols, load_rows, store_cols, store_rows  # noqa: F401
+from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_cols, load_rows, mm, store_cols, store_rows  # noqa: F401
 
 
 @triton.jit
@@ -89,10 +89,10 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
         e_col = decay_on(first, g_ref - g)
         b_hat = tl.trans(b_b * e_col)
         k_hat = tl.trans(b_k * e_col)
-        A_rb += tl.where(pair, tl.dot(r_hat, b_hat, input_precision=PREC), 0.)
-        A_rk += tl.where(pair, tl.dot(r_hat, k_hat, input_precision=PREC), 0.)
-        A_ab += tl.where(pair, tl.dot(a_hat, b_hat, input_precision=PREC), 0.)
-        A_ak += tl.where(pair, tl.dot(a_hat, k_hat, input_precision=PREC), 0.)
+        A_rb += tl.where(pair, mm(r_hat, b_hat, PREC), 0.)
+        A_rk += tl.where(pair, mm(r_hat, k_hat, PREC), 0.)
+        A_ab += tl.where(pair, mm(a_hat, b_hat, PREC), 0.)
+        A_ak += tl.where(pair, mm(a_hat, k_hat, PREC), 0.)
 
     # T = (I - A_ab)^{-1} = (I + A)(I + A^2)(I + A^4)... (A is nilpotent: A^BT = 0), exact fp32 products.
     T = tl.where(eye, 1., 0.) + A_ab
@@ -105,13 +105,13 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
     store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Aak, A_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
-    b_W = tl.dot(T, b_a * tl.exp(ge), input_precision=PREC)
+    b_W = mm(T, b_a * tl.exp(ge), PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_Uv = tl.dot(T, tl.dot(A_ak, b_v, input_precision=PREC), input_precision=PREC)
+        b_Uv = mm(T, mm(A_ak, b_v, PREC), PREC)
         store_rows(Uv, b_Uv, tok, i_h, H, V, cv, m_t, m_v)
 
 
@@ -153,12 +153,12 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht
         A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
         tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
         St = tl.trans(S)
-        UT = tl.dot(St, WT, input_precision=PREC) + UvT
+        UT = mm(St, WT, PREC) + UvT
         store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
-        oT = tl.dot(St, r_decT, input_precision=PREC) + tl.dot(UT, tl.trans(A_rb), input_precision=PREC) \
-            + tl.dot(vT, tl.trans(A_rk), input_precision=PREC)
+        oT = mm(St, r_decT, PREC) + mm(UT, tl.trans(A_rb), PREC) \
+            + mm(vT, tl.trans(A_rk), PREC)
         store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
-        S = tl.exp(gC)[:, None] * S + tl.dot(b_endT, tl.trans(UT), input_precision=PREC) \
-            + tl.dot(k_endT, tl.trans(vT), input_precision=PREC)
+        S = tl.exp(gC)[:, None] * S + mm(b_endT, tl.trans(UT), PREC) \
+            + mm(k_endT, tl.trans(vT), PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)

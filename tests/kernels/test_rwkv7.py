@@ -176,10 +176,10 @@ def compile_for_sm90(K: int, V: int) -> dict:
     why = sm90.unavailable()
     if why:
         return {"unavailable": why}
-    BT, BK, BV, SBV = m.CHUNK, max(16, K), min(64, max(16, V)), m._scan_bv(V, 128)  # the widest scan tile
+    BT, BK, BV, SBV = m.CHUNK, max(16, K), min(m.CHUNK_BV, max(16, V)), m._scan_bv(V, 128)  # the widest scan tile
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
                                 "dZ", "dh0", "dw")}
-    chunk = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=BT.bit_length() - 1, PREC=m.PREC)
+    chunk = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=BT.bit_length() - 1, PREC=m.CHUNK_PREC)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
     return {
         "_fwd_prep": sm90.build(_fwd_prep, chunk, m.PREP_WARPS, f32).metadata.shared,
