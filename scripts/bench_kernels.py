@@ -1,7 +1,7 @@
 """Kernel benchmark: our chunk_rwkv7 beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
 
     python scripts/bench_kernels.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
-    python scripts/bench_kernels.py --sweep         # also our scan tile / warp alternatives
+    python scripts/bench_kernels.py --sweep         # also alternatives to our tiles, warps, precisions
     python scripts/bench_kernels.py --profile       # also per-kernel CUDA time of one fwd+bwd
 
 FLA's chunk_rwkv7 is called as FLA's RWKV7 layer calls it (a = -kk, b = kk * a, scale 1, safe_gate=True,
@@ -96,17 +96,38 @@ def profile(fn, inputs, label):
         print(f"   {ms:8.3f} ms  {name[:90]}")
 
 
+# Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
+# one per process: an illegal memory access poisons the CUDA context for the settings after it).
+SWEEP = [dict(), dict(CHUNK_PREC="bf16"), dict(CHUNK_PREC="bf16", PREC="bf16"), dict(CHUNK_BV=32),
+         dict(BWD_WARPS=8), dict(PREP_WARPS=8), dict(SCAN_BV=32), dict(SCAN_WARPS=8)]
+
+
+def grads(inputs):
+    """Output and input gradients of one fwd+bwd (fixed upstream gradient), flattened."""
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    o = ours(*xs)
+    o.backward(torch.ones_like(o) / o.numel() ** 0.5)
+    return [o.float()] + [x.grad.float() for x in xs]
+
+
 def sweep(mod, inputs):
-    """Alternatives to the defaults set in kernels/rwkv7/__init__.py: scan V tile and warps, warps of the two
-    per-chunk kernels."""
-    default = (mod.SCAN_BV, mod.SCAN_WARPS, mod.PREP_WARPS, mod.BWD_WARPS)
-    for cfg in [(32, 4, 4, 4), (64, 4, 4, 4), (32, 8, 4, 4), (64, 8, 4, 4), (16, 4, 4, 4), (64, 8, 8, 4)]:
-        mod.SCAN_BV, mod.SCAN_WARPS, mod.PREP_WARPS, mod.BWD_WARPS = cfg
-        f_ms, _ = bench(ours, inputs, False)
-        fb_ms, _ = bench(ours, inputs, True)
-        print(f"   sweep scan_BV={cfg[0]} scan_warps={cfg[1]} prep_warps={cfg[2]} bwd_warps={cfg[3]}: "
-              f"fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
-    mod.SCAN_BV, mod.SCAN_WARPS, mod.PREP_WARPS, mod.BWD_WARPS = default
+    """Alternatives to the defaults set in kernels/rwkv7/__init__.py (one setting changed at a time), each with its
+    largest relative RMS difference from the defaults over the output and the six input gradients."""
+    ref = grads(inputs)
+    for change in SWEEP:
+        saved = {n: getattr(mod, n) for n in change}
+        for n, x in change.items():
+            setattr(mod, n, x)
+        try:
+            f_ms, _ = bench(ours, inputs, False)
+            fb_ms, _ = bench(ours, inputs, True)
+            diff = max(((g - g0).pow(2).mean() / g0.pow(2).mean()).sqrt().item() for g, g0 in zip(grads(inputs), ref))
+            print(f"   sweep {change}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, rel diff {diff:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001  (a setting that does not compile is reported, not fatal)
+            print(f"   sweep {change}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        finally:
+            for n, x in saved.items():
+                setattr(mod, n, x)
 
 
 def main():
@@ -114,9 +135,10 @@ def main():
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", default="all", choices=["all", "first"])
+    p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
     args = p.parse_args()
     import kernels.rwkv7 as mod
-    fla, why = fla_fn()
+    fla, why = fla_fn() if args.kernels == "all" else (None, "--kernels ours")
     if fla is None:
         print(f"note: FLA rows skipped ({why})")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -125,7 +147,7 @@ def main():
     for B, T, H, D in shapes:
         inputs = make(B, T, H, D)
         cands = [("ours chunk_rwkv7", ours)] + ([("FLA 0.6.0 chunk_rwkv7", fla)] if fla else []) \
-            + [("SDPA flash (causal)", sdpa)]
+            + ([("SDPA flash (causal)", sdpa)] if args.kernels == "all" else [])
         res = {}
         for name, fn in cands:
             f_ms, _ = bench(fn, inputs, False)
