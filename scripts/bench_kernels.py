@@ -98,8 +98,8 @@ def profile(fn, inputs, label):
 
 # Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
 # one per process: an illegal memory access poisons the CUDA context for the settings after it).
-SWEEP = [dict(), dict(CHUNK_PREC="bf16"), dict(CHUNK_PREC="bf16", PREC="bf16"), dict(CHUNK_BV=32),
-         dict(BWD_WARPS=8), dict(PREP_WARPS=8), dict(SCAN_BV=32), dict(SCAN_WARPS=8)]
+SWEEP = [dict(), dict(BWD_SPLIT=2), dict(BWD_SPLIT=3), dict(BWD_SPLIT=3, KWARPS=8), dict(BWD_SPLIT=2, KWARPS=8),
+         dict(CHUNK_PREC="bf16")]
 
 
 def grads(inputs):

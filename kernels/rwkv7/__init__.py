@@ -45,6 +45,12 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
     return SCAN_BV or scan_tile(V, sequences_x_heads)
 
 
+# The backward per-chunk work as 1 kernel (_bwd_chunk), or 2 (_bwd_chunk_v: the V loop; _bwd_chunk_k: the
+# pairwise terms) or 3 (the pairwise terms of rows and of columns apart), with fp32 scratch between them.
+BWD_SPLIT = 1
+KWARPS = 4
+
+
 def _chunk_prec() -> str:
     # the interpreter computes bf16 dots wrongly: there every product is exact fp32
     return "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK_PREC
@@ -95,10 +101,24 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)
-    _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-                        dr, dw, dk, dv, da, db, scale,
-                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
-                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), num_warps=BWD_WARPS)
+    chunk = dict(H=H, K=K, BT=BT, BK=BK, PREC=_chunk_prec())
+    BV = min(CHUNK_BV, max(16, next_pow2(V)))
+    if BWD_SPLIT == 1:
+        _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+                            dr, dw, dk, dv, da, db, scale, V=V, BV=BV, LEVELS=BT.bit_length() - 1,
+                            num_warps=BWD_WARPS, **chunk)
+        return dr, dw, dk, dv, da, db, dh0
+    from kernels.rwkv7.bwd import _bwd_chunk_k, _bwd_chunk_v
+    d_rdec, d_adec, d_bend, d_kend = (torch.empty(1, T, H, K, **f32) for _ in range(4))
+    dArb, dArk, dAab, dAak = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
+    dgc = torch.empty(NT, H, K, **f32)
+    scratch = (d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc)
+    _bwd_chunk_v[(NT, H)](w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv, *scratch, scale,
+                          V=V, BV=BV, num_warps=BWD_WARPS, **chunk)
+    dw_part = torch.empty(1, T, H, K, **f32) if BWD_SPLIT == 3 else None
+    for part in ((0,) if BWD_SPLIT == 2 else (1, 2)):
+        _bwd_chunk_k[(NT, H)](r, w, k, a, b, cu, chunk_index, *scratch, dr, dw, dk, da, db, dw_part, scale,
+                              LEVELS=BT.bit_length() - 1, PART=part, num_warps=KWARPS, **chunk)
     return dr, dw, dk, dv, da, db, dh0
 
 

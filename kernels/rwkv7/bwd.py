@@ -174,3 +174,177 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)
+
+
+# ---- The same backward per-chunk work split in two or three kernels (BWD_SPLIT = 2 or 3 in __init__.py), with
+# fp32 scratch between them and the level decays summed over half blocks instead of gathered by a one-hot FMA
+# product. Offline ptxas for sm_90 (scripts/kernel_resources.py, K = V = 64, 4 warps): _bwd_chunk 255 registers + 760 B of stack per thread;
+# _bwd_chunk_v 255 + 56; _bwd_chunk_k PART 0 255 + 200, PART 1 and 2 204 and 208 registers, no stack. Not yet timed
+# on a GPU: scripts/bench_kernels.py --sweep compares them with the single kernel.
+
+
+@triton.jit
+def level_sums_t(wT, BK: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    """Log decays between each token and its reference row at one level (feature-major, [BK, BT], all <= 0), summed
+    directly over the half block between them (no difference of chunk-long cumulative sums, no gather):
+    second-half rows get sum w over (ref, t] and the same without w_t; first-half rows get sum w over (s, ref]."""
+    HALF: tl.constexpr = BS // 2
+    w3 = tl.reshape(wT, [BK, BT // HALF, HALF])
+    incl = tl.reshape(tl.cumsum(w3, axis=2), [BK, BT])
+    after = tl.reshape(tl.cumsum(w3, axis=2, reverse=True), [BK, BT]) - wT
+    return incl, incl - wT, after
+
+
+@triton.jit
+def level_masks(rows, cols, BS: tl.constexpr):
+    """Half masks [1, BT] over token columns and the pair mask [BT, BT] (t, s) of one level."""
+    second = ((rows % BS) >= BS // 2)[None, :]
+    first = ((rows % BS) < BS // 2)[None, :]
+    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
+        & ((cols[None, :] % BS) < BS // 2)
+    return second, first, pair
+
+
+@triton.jit
+def _bwd_chunk_v(w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv,
+                 d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc, scale,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    # First half of the per-chunk backward: dv and the raw gradients of the chunk's linear pieces (fp32 scratch).
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cb = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+    gC = tl.sum(wT, axis=1)
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
+    A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
+    A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
+    d_rdecT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_adecT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_bendT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_kendT = tl.zeros([BK, BT], dtype=tl.float32)
+    d_gC = tl.zeros([BK], dtype=tl.float32)
+    dA_rb = tl.zeros([BT, BT], dtype=tl.float32)
+    dA_rk = tl.zeros([BT, BT], dtype=tl.float32)
+    dA_ab = tl.zeros([BT, BT], dtype=tl.float32)
+    dA_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    h_base = (i_c * H + i_h).to(tl.int64) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        s_off = ck[:, None] * V + cv[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.)
+        dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
+        UT = load_cols(U, tok, i_h, H, V, cv, m_t, m_v)
+        dZT = load_cols(dZ, tok, i_h, H, V, cv, m_t, m_v)
+        doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
+        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
+        d_rdecT += mm(S0, doT, PREC)
+        d_adecT += mm(S0, dZT, PREC)
+        d_bendT += mm(dSC, UT, PREC)
+        d_kendT += mm(dSC, vT, PREC)
+        d_gC += tl.sum(S0 * dSC, axis=1)
+        dA_rb += mm(tl.trans(doT), UT, PREC)
+        dA_rk += mm(tl.trans(doT), vT, PREC)
+        dA_ab += mm(tl.trans(dZT), UT, PREC)
+        dA_ak += mm(tl.trans(dZT), vT, PREC)
+        dvT = scale * mm(doT, A_rk, PREC) + mm(dZT, A_ak, PREC) \
+            + mm(tl.trans(dSC), k_endT, PREC)
+        store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
+    store_cols(d_rdec, d_rdecT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(d_adec, d_adecT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(d_bend, d_bendT, tok, i_h, H, K, ck, m_t, m_k)
+    store_cols(d_kend, d_kendT, tok, i_h, H, K, ck, m_t, m_k)
+    store_rows(dArb, dA_rb, tok, i_h, H, BT, cb, m_t, cb < BT)
+    store_rows(dArk, dA_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
+    store_rows(dAab, dA_ab, tok, i_h, H, BT, cb, m_t, cb < BT)
+    store_rows(dAak, dA_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
+    tl.store(dgc + (i_c * H + i_h).to(tl.int64) * K + ck, d_gC, mask=m_k)
+
+
+@triton.jit
+def _bwd_chunk_k(r, w, k, a, b, cu, chunk_index, d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc,
+                 dr, dw, dk, da, db, dw_part, scale,
+                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
+                 PREC: tl.constexpr, PART: tl.constexpr):
+    # Second half: the pairwise-matrix gradients pushed back to r, k, a, b, and the log-decay gradients.
+    # PART 0: all of it; 1: dr, da and their share of dw (into dw_part, fp32); 2: db, dk and dw.
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cb = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    incl = rows[:, None] >= cb[None, :]
+    strict = rows[:, None] > cb[None, :]
+    m_a = cb < BT
+    dA_rb = tl.where(incl, load_rows(dArb, tok, i_h, H, BT, cb, m_t, m_a) * scale, 0.)
+    dA_rk = tl.where(incl, load_rows(dArk, tok, i_h, H, BT, cb, m_t, m_a) * scale, 0.)
+    dA_ab = tl.where(strict, load_rows(dAab, tok, i_h, H, BT, cb, m_t, m_a), 0.)
+    dA_ak = tl.where(strict, load_rows(dAak, tok, i_h, H, BT, cb, m_t, m_a), 0.)
+    rT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k)
+    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+    kT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k)
+    aT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k)
+    bT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k)
+    gT = tl.cumsum(wT, axis=1)
+    gC = tl.sum(wT, axis=1)
+    geT = gT - wT
+    d_rb = diag_of(dA_rb, rows, cb)[None, :]
+    d_rk = diag_of(dA_rk, rows, cb)[None, :]
+    if PART != 2:
+        drT = d_rb * bT + d_rk * kT + scale * load_cols(d_rdec, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+        daT = load_cols(d_adec, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(geT)
+    if PART != 1:
+        to_endT = tl.exp(gC[:, None] - gT)
+        d_bendT = load_cols(d_bend, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        d_kendT = load_cols(d_kend, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        d_gC = tl.load(dgc + (i_c * H + i_h).to(tl.int64) * K + ck, mask=m_k, other=0.) * tl.exp(gC) \
+            + tl.sum(bT * d_bendT + kT * d_kendT, axis=1)
+        dbT = d_rb * rT + d_bendT
+        dkT = d_rk * rT + d_kendT
+    for lvl in tl.static_range(LEVELS):
+        d_row, d_row_ex, d_col = level_sums_t(wT, BK, BT, BT >> lvl)
+        second, first, pair = level_masks(rows, cb, BT >> lvl)
+        m_rb = tl.where(pair, dA_rb, 0.)
+        m_rk = tl.where(pair, dA_rk, 0.)
+        m_ab = tl.where(pair, dA_ab, 0.)
+        m_ak = tl.where(pair, dA_ak, 0.)
+        if PART != 2:
+            e_col = decay_on(first, d_col)
+            b_hat = bT * e_col
+            k_hat = kT * e_col
+            drT += decay_on(second, d_row) * (mm(b_hat, tl.trans(m_rb), PREC) + mm(k_hat, tl.trans(m_rk), PREC))
+            daT += decay_on(second, d_row_ex) * (mm(b_hat, tl.trans(m_ab), PREC) + mm(k_hat, tl.trans(m_ak), PREC))
+        if PART != 1:
+            r_hat = rT * decay_on(second, d_row)
+            a_hat = aT * decay_on(second, d_row_ex)
+            e_col2 = decay_on(first, d_col)
+            dbT += e_col2 * (mm(r_hat, m_rb, PREC) + mm(a_hat, m_ab, PREC))
+            dkT += e_col2 * (mm(r_hat, m_rk, PREC) + mm(a_hat, m_ak, PREC))
+    # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s
+    if PART != 2:
+        d_ge = aT * daT
+        dw_rows = tl.cumsum(rT * drT + d_ge, axis=1, reverse=True) - d_ge
+        store_cols(dr, drT, tok, i_h, H, K, ck, m_t, m_k)
+        store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
+        if PART == 1:
+            store_cols(dw_part, dw_rows, tok, i_h, H, K, ck, m_t, m_k)
+    if PART != 1:
+        d_cols = tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.) - bT * dbT - kT * dkT
+        dwT = tl.cumsum(d_cols, axis=1, reverse=True)
+        if PART == 2:
+            dwT += load_cols(dw_part, tok, i_h, H, K, ck, m_t, m_k)
+        else:
+            dwT += dw_rows
+        store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
+        store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
+        store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)
