@@ -61,28 +61,11 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
 
 
 @triton.jit
-def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-               dr, dw, dk, dv, da, db, scale,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
-    # Token tiles are held feature-major ([BK or BV, BT], suffix T), so the large products have M = 64.
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    rows = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    cb = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    m_k = ck < K
-    # Only k^ = k e^{gC - g} is needed inside the V loop; the other token tiles are loaded after it, so that they
-    # do not hold registers through the loop's products.
-    gC = tl.sum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1)
-    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) \
-        * tl.exp(gC[:, None] - tl.cumsum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1))
-    A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
-    A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
-
-    # Gradients of the chunk's linear pieces, summed over V tiles.
+def v_tile_grads(v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A_rk, A_ak, scale,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, PREC: tl.constexpr):
+    """The per-chunk backward's loop over V tiles: stores dv and returns the gradients of the chunk's linear pieces
+    (feature-major [BK, BT]: r^, a^, b^, k^), of the chunk-end decay (raw) and of the pairwise matrices."""
     d_rdecT = tl.zeros([BK, BT], dtype=tl.float32)
     d_adecT = tl.zeros([BK, BT], dtype=tl.float32)
     d_bendT = tl.zeros([BK, BT], dtype=tl.float32)
@@ -116,6 +99,33 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         dvT = scale * mm(doT, A_rk, PREC) + mm(dZT, A_ak, PREC) \
             + mm(tl.trans(dSC), k_endT, PREC)
         store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
+    return d_rdecT, d_adecT, d_bendT, d_kendT, d_gC, dA_rb, dA_rk, dA_ab, dA_ak
+
+
+@triton.jit
+def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+               dr, dw, dk, dv, da, db, scale,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    # Token tiles are held feature-major ([BK or BV, BT], suffix T), so the large products have M = 64.
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cb = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    # Only k^ = k e^{gC - g} is needed inside the V loop; the other token tiles are loaded after it, so that they
+    # do not hold registers through the loop's products.
+    gC = tl.sum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1)
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) \
+        * tl.exp(gC[:, None] - tl.cumsum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1))
+    A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
+    A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
+
+    d_rdecT, d_adecT, d_bendT, d_kendT, d_gC, dA_rb, dA_rk, dA_ab, dA_ak = v_tile_grads(
+        v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A_rk, A_ak, scale, H, K, V, BT, BK, BV, PREC)
     incl = rows[:, None] >= cb[None, :]
     strict = rows[:, None] > cb[None, :]
     dA_rb = tl.where(incl, dA_rb * scale, 0.)
@@ -224,39 +234,8 @@ def _bwd_chunk_v(w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv,
     k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
     A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
     A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
-    d_rdecT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_adecT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_bendT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_kendT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_gC = tl.zeros([BK], dtype=tl.float32)
-    dA_rb = tl.zeros([BT, BT], dtype=tl.float32)
-    dA_rk = tl.zeros([BT, BT], dtype=tl.float32)
-    dA_ab = tl.zeros([BT, BT], dtype=tl.float32)
-    dA_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    h_base = (i_c * H + i_h).to(tl.int64) * K * V
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        m_v = cv < V
-        s_off = ck[:, None] * V + cv[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.)
-        dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
-        UT = load_cols(U, tok, i_h, H, V, cv, m_t, m_v)
-        dZT = load_cols(dZ, tok, i_h, H, V, cv, m_t, m_v)
-        doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
-        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
-        d_rdecT += mm(S0, doT, PREC)
-        d_adecT += mm(S0, dZT, PREC)
-        d_bendT += mm(dSC, UT, PREC)
-        d_kendT += mm(dSC, vT, PREC)
-        d_gC += tl.sum(S0 * dSC, axis=1)
-        dA_rb += mm(tl.trans(doT), UT, PREC)
-        dA_rk += mm(tl.trans(doT), vT, PREC)
-        dA_ab += mm(tl.trans(dZT), UT, PREC)
-        dA_ak += mm(tl.trans(dZT), vT, PREC)
-        dvT = scale * mm(doT, A_rk, PREC) + mm(dZT, A_ak, PREC) \
-            + mm(tl.trans(dSC), k_endT, PREC)
-        store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
+    d_rdecT, d_adecT, d_bendT, d_kendT, d_gC, dA_rb, dA_rk, dA_ab, dA_ak = v_tile_grads(
+        v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A_rk, A_ak, scale, H, K, V, BT, BK, BV, PREC)
     store_cols(d_rdec, d_rdecT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(d_adec, d_adecT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(d_bend, d_bendT, tok, i_h, H, K, ck, m_t, m_k)
