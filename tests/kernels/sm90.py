@@ -25,9 +25,31 @@ def build(fn, consts: dict, warps: int, types: dict | None = None):
     return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
+def resources(compiled) -> dict:
+    """Registers and stack bytes (spilled registers) per thread from cuobjdump of the cubin (Triton bundles it), and
+    shared memory bytes per block."""
+    import re
+    import tempfile
+
+    import triton
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", out))
+    return dict(registers=int(found["REG"]), stack=int(found["STACK"]), shared=compiled.metadata.shared)
+
+
+def report(kernels: dict, what: str) -> dict:
+    """{name: compiled} as {name: shared bytes} (what="shared") or {name: resources(...)} (what="resources")."""
+    return {n: c.metadata.shared if what == "shared" else resources(c) for n, c in kernels.items()}
+
+
 def shared_memory_in_subprocess(module: str, call: str) -> dict:
-    """`module.call` (returning {kernel: shared bytes} or {"unavailable": why}), run in a fresh process without
-    TRITON_INTERPRET (the interpreter replaces @triton.jit at import)."""
+    """`module.call` (returning a JSON-able dict, e.g. {kernel: shared bytes}, or {"unavailable": why}), run in a
+    fresh process without TRITON_INTERPRET (the interpreter replaces @triton.jit at import)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, {module}; print(json.dumps({module}.{call}))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),

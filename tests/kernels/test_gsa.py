@@ -213,8 +213,9 @@ def test_triton_interpreter_stress_decays(interp):
 
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
-def compile_for_sm90(M: int, K: int = 256, V: int = 256) -> dict:
-    """Every GSA kernel at the shipped chunk / warps, compiled for sm_90: {kernel: shared memory bytes}."""
+def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -> dict:
+    """Every GSA kernel at the shipped chunk / warps, compiled for sm_90: {kernel: shared memory bytes}, or
+    registers / stack / shared with what="resources"."""
     import kernels.gsa as gsa
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
     from kernels.gsa.fwd import _fwd_out, _state_scan
@@ -229,13 +230,13 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256) -> dict:
                                          STORE_HT=True, PREC=gsa.PREC), gsa.SCAN_WARPS,
                        types={"w": "*fp32" if rev else "*bf16", "g": "*fp32", "hs": "*fp32", "h0": "*fp32",
                               "ht": "*fp32"})
-        out[f"_state_scan(reverse={rev})"] = k.metadata.shared
+        out[f"_state_scan(reverse={rev})"] = k
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
     f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p_out", "dz_out", "p_in", "dz_in", "dg")}
     for fn in (_fwd_out, _bwd_dz, _bwd_dkvsg):
-        out[fn.fn.__name__] = sm90.build(fn, consts, gsa.CHUNK_WARPS, types=f32).metadata.shared
-    return out
+        out[fn.fn.__name__] = sm90.build(fn, consts, gsa.CHUNK_WARPS, types=f32)
+    return sm90.report(out, what)
 
 
 @pytest.mark.parametrize("M", [64, 128])   # chunk 32 at M = 64, 16 at M = 128: the largest tiles each takes

@@ -187,8 +187,10 @@ def test_triton_interpreter_split_backward_varlen(monkeypatch, interp):
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
 
-def compile_for_sm90(K: int, V: int) -> dict:
-    """Every RWKV-7 kernel at the shipped chunk / tiles / warps, compiled for sm_90: {kernel: shared memory bytes}."""
+def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
+    """Every RWKV-7 kernel (the backward's split variants too) at the shipped chunk / tiles / warps, compiled for
+    sm_90: {kernel: shared memory bytes}, or registers / stack / shared with what="resources"
+    (scripts/kernel_resources.py prints those)."""
     import kernels.rwkv7 as m
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_chunk_k, _bwd_chunk_v, _bwd_scan
     from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
@@ -200,36 +202,33 @@ def compile_for_sm90(K: int, V: int) -> dict:
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
                                 "dZ", "dh0", "dw", "d_rdec", "d_adec", "d_bend", "d_kend", "dArb", "dArk",
                                 "dAab", "dAak", "dgc", "dw_part")}
-    chunk = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=BT.bit_length() - 1, PREC=m.CHUNK_PREC)
+    chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC)
+    levels = dict(LEVELS=BT.bit_length() - 1)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
-    return {
-        "_fwd_prep": sm90.build(_fwd_prep, chunk, m.PREP_WARPS, f32).metadata.shared,
-        "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True), m.SCAN_WARPS, f32).metadata.shared,
-        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS,
-                                f32).metadata.shared,
-        "_bwd_chunk": sm90.build(_bwd_chunk, chunk, m.BWD_WARPS, f32).metadata.shared,
-        "_bwd_chunk_v": sm90.build(_bwd_chunk_v, without(chunk, "LEVELS"), m.BWD_WARPS, f32).metadata.shared,
-        **{f"_bwd_chunk_k PART={part}": sm90.build(_bwd_chunk_k, dict(without(chunk, "V", "BV"), PART=part), m.KWARPS,
-                                                   f32).metadata.shared for part in (0, 1, 2)},
+    kernels = {
+        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, **levels), m.PREP_WARPS, f32),
+        "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True), m.SCAN_WARPS, f32),
+        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS, f32),
+        "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, V=V, BV=BV, **levels), m.BWD_WARPS, f32),
+        "_bwd_chunk_v (BWD_SPLIT 2, 3)": sm90.build(_bwd_chunk_v, dict(chunk, V=V, BV=BV), m.BWD_WARPS, f32),
+        **{f"_bwd_chunk_k PART {part} (BWD_SPLIT {3 if part else 2})":
+           sm90.build(_bwd_chunk_k, dict(chunk, PART=part, **levels), m.KWARPS, f32) for part in (0, 1, 2)},
     }
+    return sm90.report(kernels, what)
 
 
 def test_kernel_resources_script_reports_every_kernel():
-    # scripts/kernel_resources.py: registers and spills per kernel from the offline sm_90 build
+    # scripts/kernel_resources.py: registers and spills per kernel of both families from the offline sm_90 build
     why = sm90.shared_memory_in_subprocess("tests.kernels.sm90", "unavailable() or {}")
     if why:
         pytest.skip(f"this Triton cannot compile for CUDA: {why}")
-    proc = subprocess.run([sys.executable, str(sm90.REPO / "scripts" / "kernel_resources.py")], cwd=sm90.REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(sm90.REPO / "scripts" / "kernel_resources.py"), "--kv", "32"],
+                          cwd=sm90.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
-    assert len(rows) == 8, proc.stdout
-    for name, warps, regs, stack, shared in rows:
+    assert len(rows) == 8 + 5, proc.stdout
+    for name, regs, stack, shared in rows:
         assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= sm90.H100_SMEM, name
-
-
-def without(d: dict, *keys) -> dict:
-    return {k: v for k, v in d.items() if k not in keys}
 
 
 @pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
