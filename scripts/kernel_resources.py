@@ -2,7 +2,7 @@
 compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel change can be judged
 before a device call. The kernels and their launch settings are the ones the sm_90 compile tests build.
 
-    python scripts/kernel_resources.py [--kv 64] [--gsa-m 64] [--set rwkv7.BWD_WARPS=8 --set gsa.CHUNK_WARPS=8]
+    python scripts/kernel_resources.py [--kv 64] [--gsa-m 64] [--set rwkv7.LEVEL_SUMS=True --set rwkv7.CHUNK_PREC=bf16]
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ def main():
         module = importlib.import_module(f"kernels.{family}")
         if not hasattr(module, name):
             raise SystemExit(f"kernels.{family} has no setting {name}")
-        setattr(module, name, ast.literal_eval(value) if value[:1].isdigit() or value[:1] in "'\"" else value)
+        try:
+            value = ast.literal_eval(value)     # 8, True, 'bf16'
+        except (ValueError, SyntaxError):
+            pass                                # a bare word: bf16
+        setattr(module, name, value)
     from tests.kernels import test_gsa, test_rwkv7
 
     for title, table in ((f"RWKV-7, K = V = {args.kv}", test_rwkv7.compile_for_sm90(args.kv, args.kv, "resources")),

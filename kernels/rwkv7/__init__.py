@@ -49,6 +49,9 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
 # pairwise terms) or 3 (the pairwise terms of rows and of columns apart), with fp32 scratch between them.
 BWD_SPLIT = 1
 KWARPS = 4
+# The per-chunk kernels' level decays summed over half blocks (True) or differenced against a row gathered by a
+# one-hot product (False, measured); see levels.py.
+LEVEL_SUMS = False
 
 
 def _chunk_prec() -> str:
@@ -70,7 +73,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
-                       LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), num_warps=PREP_WARPS)
+                       LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, num_warps=PREP_WARPS)
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
@@ -102,11 +105,11 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)
     chunk = dict(H=H, K=K, BT=BT, BK=BK, PREC=_chunk_prec())
+    levels = dict(LEVELS=BT.bit_length() - 1, SUMS=LEVEL_SUMS)
     BV = min(CHUNK_BV, max(16, next_pow2(V)))
     if BWD_SPLIT == 1:
         _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-                            dr, dw, dk, dv, da, db, scale, V=V, BV=BV, LEVELS=BT.bit_length() - 1,
-                            num_warps=BWD_WARPS, **chunk)
+                            dr, dw, dk, dv, da, db, scale, V=V, BV=BV, num_warps=BWD_WARPS, **chunk, **levels)
         return dr, dw, dk, dv, da, db, dh0
     from kernels.rwkv7.bwd import _bwd_chunk_k, _bwd_chunk_v
     d_rdec, d_adec, d_bend, d_kend = (torch.empty(1, T, H, K, **f32) for _ in range(4))
@@ -118,7 +121,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dw_part = torch.empty(1, T, H, K, **f32) if BWD_SPLIT == 3 else None
     for part in ((0,) if BWD_SPLIT == 2 else (1, 2)):
         _bwd_chunk_k[(NT, H)](r, w, k, a, b, cu, chunk_index, *scratch, dr, dw, dk, da, db, dw_part, scale,
-                              LEVELS=BT.bit_length() - 1, PART=part, num_warps=KWARPS, **chunk)
+                              PART=part, num_warps=KWARPS, **chunk, **levels)
     return dr, dw, dk, dv, da, db, dh0
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_bounds, decay_on, diag_of, level_split_t, load_rows, store_rows
+from kernels.rwkv7.fwd import chunk_bounds, decay_on, diag_of, load_rows, store_rows
+from kernels.rwkv7.levels import level_split_t, level_sums_t
 from kernels.tl_utils import load_cols, mm, store_cols
 
 
@@ -106,7 +107,8 @@ def v_tile_grads(v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A
 def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                dr, dw, dk, dv, da, db, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
+               SUMS: tl.constexpr):
     # Token tiles are held feature-major ([BK or BV, BT], suffix T), so the large products have M = 64.
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
@@ -156,10 +158,16 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # Pairwise matrices back to their factors, level by level as in the forward:
     # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
-        g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
-        e_r = decay_on(second, gT - g_refT)
-        e_a = decay_on(second, geT - g_refT)
-        e_col = decay_on(first, g_refT - gT)
+        if SUMS:
+            to_row, to_row_ex, from_col, second, first, pair = level_sums_t(wT, rows, cb, BT, BK, BT >> lvl)
+            e_r = decay_on(second, to_row)
+            e_a = decay_on(second, to_row_ex)
+            e_col = decay_on(first, from_col)
+        else:
+            g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
+            e_r = decay_on(second, gT - g_refT)
+            e_a = decay_on(second, geT - g_refT)
+            e_col = decay_on(first, g_refT - gT)
         r_hat = rT * e_r
         a_hat = aT * e_a
         b_hat = bT * e_col
@@ -187,32 +195,10 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
 
 
 # ---- The same backward per-chunk work split in two or three kernels (BWD_SPLIT = 2 or 3 in __init__.py), with
-# fp32 scratch between them and the level decays summed over half blocks instead of gathered by a one-hot FMA
-# product. Offline ptxas for sm_90 (scripts/kernel_resources.py, K = V = 64, 4 warps): _bwd_chunk 255 registers + 760 B of stack per thread;
-# _bwd_chunk_v 255 + 56; _bwd_chunk_k PART 0 255 + 200, PART 1 and 2 204 and 208 registers, no stack. Not yet timed
-# on a GPU: scripts/bench_kernels.py --sweep compares them with the single kernel.
-
-
-@triton.jit
-def level_sums_t(wT, BK: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
-    """Log decays between each token and its reference row at one level (feature-major, [BK, BT], all <= 0), summed
-    directly over the half block between them (no difference of chunk-long cumulative sums, no gather):
-    second-half rows get sum w over (ref, t] and the same without w_t; first-half rows get sum w over (s, ref]."""
-    HALF: tl.constexpr = BS // 2
-    w3 = tl.reshape(wT, [BK, BT // HALF, HALF])
-    incl = tl.reshape(tl.cumsum(w3, axis=2), [BK, BT])
-    after = tl.reshape(tl.cumsum(w3, axis=2, reverse=True), [BK, BT]) - wT
-    return incl, incl - wT, after
-
-
-@triton.jit
-def level_masks(rows, cols, BS: tl.constexpr):
-    """Half masks [1, BT] over token columns and the pair mask [BT, BT] (t, s) of one level."""
-    second = ((rows % BS) >= BS // 2)[None, :]
-    first = ((rows % BS) < BS // 2)[None, :]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return second, first, pair
+# fp32 scratch between them. Offline ptxas for sm_90 (scripts/kernel_resources.py, K = V = 64, 4 warps, with the
+# half-block level sums): _bwd_chunk 255 registers + 760 B of stack per thread (272 with the sums); _bwd_chunk_v
+# 255 + 56; _bwd_chunk_k PART 0 255 + 200, PART 1 and 2 204 and 208 registers, no stack. Not yet timed on a GPU:
+# scripts/bench_kernels.py --sweep compares them with the single kernel.
 
 
 @triton.jit
@@ -251,7 +237,7 @@ def _bwd_chunk_v(w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv,
 def _bwd_chunk_k(r, w, k, a, b, cu, chunk_index, d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc,
                  dr, dw, dk, da, db, dw_part, scale,
                  H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
-                 PREC: tl.constexpr, PART: tl.constexpr):
+                 PREC: tl.constexpr, PART: tl.constexpr, SUMS: tl.constexpr):
     # Second half: the pairwise-matrix gradients pushed back to r, k, a, b, and the log-decay gradients.
     # PART 0: all of it; 1: dr, da and their share of dw (into dw_part, fp32); 2: db, dk and dw.
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -291,22 +277,25 @@ def _bwd_chunk_k(r, w, k, a, b, cu, chunk_index, d_rdec, d_adec, d_bend, d_kend,
         dbT = d_rb * rT + d_bendT
         dkT = d_rk * rT + d_kendT
     for lvl in tl.static_range(LEVELS):
-        d_row, d_row_ex, d_col = level_sums_t(wT, BK, BT, BT >> lvl)
-        second, first, pair = level_masks(rows, cb, BT >> lvl)
+        if SUMS:
+            to_row, to_row_ex, from_col, second, first, pair = level_sums_t(wT, rows, cb, BT, BK, BT >> lvl)
+        else:
+            g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
+            to_row, to_row_ex, from_col = gT - g_refT, geT - g_refT, g_refT - gT
         m_rb = tl.where(pair, dA_rb, 0.)
         m_rk = tl.where(pair, dA_rk, 0.)
         m_ab = tl.where(pair, dA_ab, 0.)
         m_ak = tl.where(pair, dA_ak, 0.)
         if PART != 2:
-            e_col = decay_on(first, d_col)
+            e_col = decay_on(first, from_col)
             b_hat = bT * e_col
             k_hat = kT * e_col
-            drT += decay_on(second, d_row) * (mm(b_hat, tl.trans(m_rb), PREC) + mm(k_hat, tl.trans(m_rk), PREC))
-            daT += decay_on(second, d_row_ex) * (mm(b_hat, tl.trans(m_ab), PREC) + mm(k_hat, tl.trans(m_ak), PREC))
+            drT += decay_on(second, to_row) * (mm(b_hat, tl.trans(m_rb), PREC) + mm(k_hat, tl.trans(m_rk), PREC))
+            daT += decay_on(second, to_row_ex) * (mm(b_hat, tl.trans(m_ab), PREC) + mm(k_hat, tl.trans(m_ak), PREC))
         if PART != 1:
-            r_hat = rT * decay_on(second, d_row)
-            a_hat = aT * decay_on(second, d_row_ex)
-            e_col2 = decay_on(first, d_col)
+            r_hat = rT * decay_on(second, to_row)
+            a_hat = aT * decay_on(second, to_row_ex)
+            e_col2 = decay_on(first, from_col)
             dbT += e_col2 * (mm(r_hat, m_rb, PREC) + mm(a_hat, m_ab, PREC))
             dkT += e_col2 * (mm(r_hat, m_rk, PREC) + mm(a_hat, m_ak, PREC))
     # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s

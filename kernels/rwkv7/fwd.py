@@ -15,36 +15,8 @@ import triton
 import triton.language as tl
 
 # bwd.py imports these from here too
+from kernels.rwkv7.levels import level_split, level_sums
 from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_cols, load_rows, mm, store_cols, store_rows  # noqa: F401
-
-
-@triton.jit
-def level_split(g, rows, cols, BS: tl.constexpr):
-    """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its
-    first half). Returns g at each row's reference (the last row of its block's first half), the half masks and the
-    pair mask. g_ref is a row gather, done as an exact fp32 product with a one-hot matrix."""
-    ref = (rows // BS) * BS + BS // 2 - 1
-    onehot = tl.where(ref[:, None] == cols[None, :], 1., 0.)
-    g_ref = tl.dot(onehot, g, input_precision="ieee")
-    second = ((rows % BS) >= BS // 2)[:, None]
-    first = ((rows % BS) < BS // 2)[:, None]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return g_ref, second, first, pair
-
-
-@triton.jit
-def level_split_t(gT, rows, cols, BS: tl.constexpr):
-    """level_split for feature-major tiles: gT [BK, BT] and g_ref likewise; the half masks are [1, BT] (token
-    columns); the pair mask is [BT, BT] (t, s) as before."""
-    ref = (rows // BS) * BS + BS // 2 - 1
-    onehot_t = tl.where(cols[:, None] == ref[None, :], 1., 0.)  # [s, t] = 1 where s is t's reference row
-    g_ref = tl.dot(gT, onehot_t, input_precision="ieee")
-    second = ((rows % BS) >= BS // 2)[None, :]
-    first = ((rows % BS) < BS // 2)[None, :]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return g_ref, second, first, pair
 
 
 @triton.jit
@@ -56,8 +28,8 @@ def chunk_decays(w):
 
 @triton.jit
 def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
@@ -83,10 +55,16 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
     A_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for lvl in tl.static_range(LEVELS):
-        g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
-        r_hat = b_r * decay_on(second, g - g_ref)
-        a_hat = b_a * decay_on(second, ge - g_ref)
-        e_col = decay_on(first, g_ref - g)
+        if SUMS:
+            to_row, to_row_ex, from_col, second, first, pair = level_sums(b_w, rows, cb, BT, BK, BT >> lvl)
+            r_hat = b_r * decay_on(second, to_row)
+            a_hat = b_a * decay_on(second, to_row_ex)
+            e_col = decay_on(first, from_col)
+        else:
+            g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
+            r_hat = b_r * decay_on(second, g - g_ref)
+            a_hat = b_a * decay_on(second, ge - g_ref)
+            e_col = decay_on(first, g_ref - g)
         b_hat = tl.trans(b_b * e_col)
         k_hat = tl.trans(b_k * e_col)
         A_rb += tl.where(pair, mm(r_hat, b_hat, PREC), 0.)

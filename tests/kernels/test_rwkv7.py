@@ -166,19 +166,23 @@ def test_triton_interpreter_stress_decays(interp):
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
-@pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("K,V,decay,T", [(32, 32, "stress", 200), (32, 128, "wide", 37), (128, 32, "wide", 37)])
-def test_triton_interpreter_split_backward(split, K, V, decay, T, monkeypatch, interp):
-    # the backward per-chunk work in two or three kernels (BWD_SPLIT), with the level decays summed over half blocks
+@pytest.mark.parametrize("split,sums,K,V,decay,T", [
+    *[(split, sums, 32, 32, "stress", 200) for split, sums in [(1, True), (2, False), (2, True), (3, False), (3, True)]],
+    *[(split, sums, K, V, "wide", 37) for split, sums in [(2, False), (3, True)] for K, V in [(32, 128), (128, 32)]]])
+def test_triton_interpreter_split_backward_level_sums(split, sums, K, V, decay, T, monkeypatch, interp):
+    # the backward per-chunk work in one, two or three kernels (BWD_SPLIT), the level decays gathered or summed over
+    # half blocks (LEVEL_SUMS, forward too)
     import kernels.rwkv7 as mod
     monkeypatch.setattr(mod, "BWD_SPLIT", split)
+    monkeypatch.setattr(mod, "LEVEL_SUMS", sums)
     xs, h0 = make_inputs(1, T, 2, K, V, decay=decay, seed=split + T)
-    assert_close(run(interp, xs, h0, 0.7), naive(xs, h0, 0.7), CPU_TOL, f"split={split} K={K} V={V} {decay}")
+    assert_close(run(interp, xs, h0, 0.7), naive(xs, h0, 0.7), CPU_TOL, f"split={split} sums={sums} K={K} V={V}")
 
 
 def test_triton_interpreter_split_backward_varlen(monkeypatch, interp):
     import kernels.rwkv7 as mod
     monkeypatch.setattr(mod, "BWD_SPLIT", 3)
+    monkeypatch.setattr(mod, "LEVEL_SUMS", True)
     cu = torch.tensor([0, 5, 37, 38, 100])
     xs, _ = make_inputs(1, 100, 2, 32, 32, decay="wide", n_seq=4, seed=7)
     assert_close(run(interp, xs, None, 1.0, cu), naive(xs, None, 1.0, cu), CPU_TOL, "split varlen")
@@ -203,7 +207,7 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
                                 "dZ", "dh0", "dw", "d_rdec", "d_adec", "d_bend", "d_kend", "dArb", "dArk",
                                 "dAab", "dAak", "dgc", "dw_part")}
     chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC)
-    levels = dict(LEVELS=BT.bit_length() - 1)
+    levels = dict(LEVELS=BT.bit_length() - 1, SUMS=m.LEVEL_SUMS)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
     kernels = {
         "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, **levels), m.PREP_WARPS, f32),
