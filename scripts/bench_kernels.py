@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
     python scripts/bench_kernels.py --sweep         # also alternatives to our tiles, warps, precisions
     python scripts/bench_kernels.py --profile       # also per-kernel CUDA time of one fwd+bwd
+    python scripts/bench_kernels.py --set rwkv7.LEVEL_SUMS=True    # other kernel settings (kernels/settings.py)
 
 FLA's chunk_rwkv7 is called as FLA's RWKV7 layer calls it (a = -kk, b = kk * a, scale 1, safe_gate=True,
 lower_bound=-exp(-0.5), chunk_size=64, bf16 log decay in [-exp(-0.5), 0)). Ours gets the same values with the log
@@ -136,7 +137,13 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", default="all", choices=["all", "first"])
     p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
+    p.add_argument("--set", action="append", default=[], metavar="rwkv7.NAME=VALUE",
+                   help="a kernel setting instead of its default (kernels/settings.py), e.g. rwkv7.BWD_SPLIT=3")
     args = p.parse_args()
+    from kernels.settings import apply
+    made = apply(args.set)
+    if made:
+        print(f"kernel settings: {made}")
     import kernels.rwkv7 as mod
     fla, why = fla_fn() if args.kernels == "all" else (None, "--kernels ours")
     if fla is None:

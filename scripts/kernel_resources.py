@@ -8,8 +8,6 @@ before a device call. The kernels and their launch settings are the ones the sm_
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -26,17 +24,8 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="FAMILY.NAME=VALUE",
                    help="a module setting of kernels.rwkv7 or kernels.gsa, e.g. rwkv7.BWD_WARPS=8")
     args = p.parse_args()
-    for item in args.set:
-        target, value = item.split("=", 1)
-        family, name = target.split(".", 1)
-        module = importlib.import_module(f"kernels.{family}")
-        if not hasattr(module, name):
-            raise SystemExit(f"kernels.{family} has no setting {name}")
-        try:
-            value = ast.literal_eval(value)     # 8, True, 'bf16'
-        except (ValueError, SyntaxError):
-            pass                                # a bare word: bf16
-        setattr(module, name, value)
+    from kernels.settings import apply
+    apply(args.set)
     from tests.kernels import test_gsa, test_rwkv7
 
     for title, table in ((f"RWKV-7, K = V = {args.kv}", test_rwkv7.compile_for_sm90(args.kv, args.kv, "resources")),

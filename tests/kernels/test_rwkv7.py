@@ -88,7 +88,7 @@ def assert_close(got, ref, tol, what=""):
 @pytest.fixture
 def interp():
     """chunk_rwkv7 with backend='triton' on CPU tensors: needs TRITON_INTERPRET=1 from before Triton's import
-    (tests/kernels/conftest.py sets it on machines without CUDA)."""
+    (tests/conftest.py sets it on machines without CUDA)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
         pytest.skip("interpreter tests run on CPU-only machines (TRITON_INTERPRET=1)")
