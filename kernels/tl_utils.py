@@ -44,6 +44,18 @@ def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def chunk_program(cu, chunk_index, BT: tl.constexpr, BK: tl.constexpr, K: tl.constexpr):
+    """The prologue of a per-chunk program (grid: chunks x heads): its chunk and head, row offsets, token indices
+    with their validity mask (rows past the sequence's end are padding), feature offsets and mask."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    ck = tl.arange(0, BK)
+    return i_c, i_h, rows, tok, tok < eos, ck, ck < K
+
+
+@triton.jit
 def diag_of(x, rows, cols):
     """Diagonal of a square register tile as a vector."""
     return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.), axis=1)

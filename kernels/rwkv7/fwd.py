@@ -16,7 +16,7 @@ import triton.language as tl
 
 # bwd.py imports these from here too
 from kernels.rwkv7.levels import level_split, level_sums
-from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_cols, load_rows, mm, store_cols, store_rows  # noqa: F401
+from kernels.tl_utils import chunk_program, decay_on, diag_of, load_cols, load_rows, mm, store_cols, store_rows  # noqa: F401
 
 
 @triton.jit
@@ -30,14 +30,8 @@ def chunk_decays(w):
 def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    rows = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    ck = tl.arange(0, BK)
-    m_k = ck < K
-    cb = tl.arange(0, BT)
+    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    cb = rows   # token offsets along the columns of [BT, BT] tiles
     # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
     b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
     b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
