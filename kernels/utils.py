@@ -36,22 +36,33 @@ def as_varlen(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.
     return cu_seqlens.to(device=device, dtype=torch.int32)
 
 
-@functools.lru_cache(maxsize=64)
-def _chunk_tables(cu: tuple, chunk: int):
-    chunk_offsets, index = [0], []
-    for n in range(len(cu) - 1):
-        nt = -(-(cu[n + 1] - cu[n]) // chunk)
-        index += [(n, i) for i in range(nt)]
-        chunk_offsets.append(chunk_offsets[-1] + nt)
-    return chunk_offsets, index
+def chunk_tables(cu_seqlens: torch.Tensor, chunk: int, total: int, seq_len: int | None = None):
+    """(chunk_offsets [N+1]: first global chunk of each sequence, chunk_index [NT, 2]: (sequence, chunk in it), NT).
 
-
-def chunk_tables(cu_seqlens: torch.Tensor, chunk: int):
-    """(chunk_offsets [N+1]: first global chunk of each sequence, chunk_index [NT, 2]: (sequence, chunk in it)).
-
-    Chunks never straddle two sequences. Reads cu_seqlens on the host (one sync per call, cached by value).
+    Chunks never straddle two sequences. Built on the device from shapes alone, never read back to the host: a host
+    read (`.tolist()`) would stall the CPU until the GPU drained, once per layer and call, leaving the GPU idle while
+    Python prepares the next launches. `total` is the packed length; `seq_len` the common length of B equal rows
+    (then NT is exact and the tables are cached). For packed sequences of unknown lengths NT is the upper bound
+    total // chunk + N (sum of ceil(len_i / chunk) <= that): the spare chunks map past the last sequence's end, so
+    their programs load nothing but padding and store nothing (every per-chunk store is masked by token).
     """
-    offsets, index = _chunk_tables(tuple(cu_seqlens.tolist()), chunk)
-    dev = cu_seqlens.device
-    index_t = torch.tensor(index if index else [(0, 0)], dtype=torch.int32, device=dev).reshape(-1, 2)
-    return torch.tensor(offsets, dtype=torch.int32, device=dev), index_t, len(index)
+    N = cu_seqlens.numel() - 1
+    if seq_len is not None:
+        return _equal_rows_tables(N, seq_len, chunk, cu_seqlens.device)
+    cu = cu_seqlens.long()
+    per_seq = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+    offsets = torch.cat((per_seq.new_zeros(1), per_seq.cumsum(0)))
+    NT = total // chunk + N
+    c = torch.arange(NT, device=cu.device)
+    n = torch.searchsorted(offsets[1:], c, right=True).clamp_max(N - 1)
+    index = torch.stack((n, c - offsets[n]), dim=1).to(torch.int32)
+    return offsets.to(torch.int32), index, NT
+
+
+@functools.lru_cache(maxsize=16)
+def _equal_rows_tables(B: int, T: int, chunk: int, device: torch.device):
+    per_seq = -(-T // chunk)
+    c = torch.arange(B * per_seq, dtype=torch.int32, device=device)
+    index = torch.stack((c // per_seq, c % per_seq), dim=1) if per_seq else c.new_zeros(0, 2)
+    offsets = torch.arange(B + 1, dtype=torch.int32, device=device) * per_seq
+    return offsets, index, B * per_seq

@@ -101,8 +101,7 @@ class _ChunkGSA(torch.autograd.Function):
     """Packed inputs [1, T, H, *]; states in the kernels' layout: Hk^T [N, H, M, K] and Hv [N, H, M, V]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu):
-        tables = chunk_tables(cu, _chunk(s.shape[-1]))
+    def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
         o, hkt, hvt = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables)
         # only the inputs are kept: the backward rescans the chunk states (cheap) instead of holding them
         ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu)
@@ -115,7 +114,7 @@ class _ChunkGSA(torch.autograd.Function):
         c = lambda x: None if x is None else x.contiguous()  # noqa: E731
         dq, dk, dv, ds, dg, dhk0, dhv0 = _bwd(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.tables,
                                               do.contiguous(), c(dhkt), c(dhvt))
-        return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None
+        return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None
 
 
 def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens):
@@ -134,7 +133,8 @@ def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, c
     if initial_state is not None:
         hk0 = initial_state[0].float().transpose(-1, -2).contiguous()
         hv0 = initial_state[1].float().contiguous()
-    o, hkt, hvt = _ChunkGSA.apply(q_, k_, v_, s_, g_, float(scale), hk0, hv0, bool(output_final_state), cu)
+    tables = chunk_tables(cu, BT, B * T, T if cu_seqlens is None else None)
+    o, hkt, hvt = _ChunkGSA.apply(q_, k_, v_, s_, g_, float(scale), hk0, hv0, bool(output_final_state), cu, tables)
     final = (hkt.transpose(-1, -2), hvt) if output_final_state else None
     return o.reshape(B, T, H, V), final
 

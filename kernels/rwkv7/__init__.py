@@ -59,13 +59,13 @@ def _chunk_prec() -> str:
     return "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK_PREC
 
 
-def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu):
+def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
 
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = CHUNK, max(16, next_pow2(K))
-    chunk_offsets, chunk_index, NT = chunk_tables(cu, BT)
+    chunk_offsets, chunk_index, NT = tables
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
     W = torch.empty(1, T, H, K, **f32)
@@ -127,8 +127,8 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
 
 class _ChunkRWKV7(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu):
-        o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu)
+    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
+        o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables)
         ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved[:-3])
         ctx.tables = saved[-3:]
         ctx.scale = scale
@@ -139,7 +139,7 @@ class _ChunkRWKV7(torch.autograd.Function):
         r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
         dr, dw, dk, dv, da, db, dh0 = _bwd(r, w, k, v, a, b, ctx.scale, h0, cu, (*saved, *ctx.tables),
                                            do.contiguous(), None if dht is None else dht.contiguous())
-        return dr, dw, dk, dv, da, db, None, dh0, None, None
+        return dr, dw, dk, dv, da, db, None, dh0, None, None, None
 
 
 def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens):
@@ -153,7 +153,8 @@ def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_sta
     r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu)
+    tables = chunk_tables(cu, CHUNK, B * T, T if cu_seqlens is None else None)
+    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu, tables)
     return o.reshape(B, T, H, V), ht
 
 
