@@ -46,21 +46,30 @@ def _slots(M: int) -> int:
     return max(16, next_pow2(M))
 
 
-def _scan(w, g, x, cu, tables, h0, want_ht, reverse):
-    """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends)."""
+def _scan(g, cu, tables, first, second, want_ht, reverse):
+    """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends) of
+    two states at once, each given as (w, x, h0): returns (states, final state or None) for each."""
     from kernels.gsa.fwd import _state_scan
 
     chunk_offsets, _, NT = tables
-    H, M, D = g.shape[2], g.shape[3], x.shape[3]
+    H, M = g.shape[2], g.shape[3]
     N = cu.numel() - 1
-    hs = torch.empty(NT, H, M, D, device=x.device, dtype=torch.float32)
-    ht = torch.empty(N, H, M, D, device=x.device, dtype=torch.float32) if want_ht else None
-    BD = SCAN_BD or scan_tile(D, N * H)
-    _state_scan[(N, H, triton.cdiv(D, BD))](w, g, x, cu, chunk_offsets, h0, hs, ht,
-                                            H=H, M=M, D=D, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
-                                            HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=PREC,
-                                            num_warps=SCAN_WARPS)
-    return hs, ht
+    (w1, x1, h01), (w2, x2, h02) = first, second
+    if (h01 is None) != (h02 is None):   # one final-state gradient unused: it is zero
+        h01, h02 = (torch.zeros(N, H, M, x.shape[3], device=x.device) if h is None else h
+                    for h, x in ((h01, x1), (h02, x2)))
+    out = []
+    for x in (x1, x2):
+        hs = torch.empty(NT, H, M, x.shape[3], device=x.device, dtype=torch.float32)
+        out.append((hs, torch.empty(N, H, M, x.shape[3], device=x.device, dtype=torch.float32) if want_ht else None))
+    D1, D2 = x1.shape[3], x2.shape[3]
+    # each state's tile as when they were scanned one after the other (measured), now side by side
+    BD = SCAN_BD or scan_tile(max(D1, D2), N * H)
+    grid = (N, H, triton.cdiv(D1, BD) + triton.cdiv(D2, BD))
+    _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, cu, chunk_offsets,
+                      H=H, M=M, D1=D1, D2=D2, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
+                      HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
+    return out
 
 
 def _dims(q, v, s):
@@ -73,8 +82,7 @@ def _dims(q, v, s):
 def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     from kernels.gsa.fwd import _fwd_out
 
-    hk, hkt = _scan(s, g, k, cu, tables, hk0, want_ht, False)
-    hv, hvt = _scan(s, g, v, cu, tables, hv0, want_ht, False)
+    (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (s, k, hk0), (s, v, hv0), want_ht, False)
     o = torch.empty_like(v)
     _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, scale, **_dims(q, v, s))
     return o, hkt, hvt
@@ -83,14 +91,12 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
 def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt):
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
 
-    hk, _ = _scan(s, g, k, cu, tables, hk0, False, False)
-    hv, _ = _scan(s, g, v, cu, tables, hv0, False, False)
+    (hk, _), (hv, _) = _scan(g, cu, tables, (s, k, hk0), (s, v, hv0), False, False)
     grid = (tables[2], q.shape[2])
     f32 = dict(device=q.device, dtype=torch.float32)
     p, dz, dg = (torch.empty(g.shape, **f32) for _ in range(3))
     _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, p, dz, dg, scale, **_dims(q, v, s))
-    dhk, dhk0 = _scan(dz, g, q, cu, tables, dhkt, hk0 is not None, True)
-    dhv, dhv0 = _scan(p, g, do, cu, tables, dhvt, hv0 is not None, True)
+    (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dz, q, dhkt), (p, do, dhvt), hk0 is not None, True)
     dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dq, dk, dv, ds, dg,
                      **_dims(q, v, s))

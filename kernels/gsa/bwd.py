@@ -3,8 +3,9 @@
 Chunk-start states are recomputed by the forward's _state_scan (nothing but the inputs is kept between passes).
   _bwd_dz     (per chunk and head): recomputes the slot logits and p, forms dp and the softmax backward
               dZr = scale dZ and the row part of the log-gate gradient; stores p and dZr for the next steps.
-  _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32), twice:
-              (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the initial-state gradients.
+  _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32) of both
+              states in one launch: (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the
+              initial-state gradients.
   _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk).
 """
 

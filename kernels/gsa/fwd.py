@@ -1,9 +1,10 @@
 """Triton forward of chunked GSA (math and notation in README.md), and the pieces the backward shares.
 
 Two launches:
-  _state_scan  (per sequence, head and D tile, chunks in order): H <- diag(e^{G_C}) H + (s e^{G_C - G})^T X for
-               X = k (the key state, kept as Hk^T, M x K) and X = v (the value state, M x V); it stores the state at
-               the start of every chunk. With REVERSE it runs the backward's state-gradient recursion instead.
+  _state_scan  (per sequence, head and D tile of either state, chunks in order): H <- diag(e^{G_C}) H +
+               (s e^{G_C - G})^T X for X = k (the key state, kept as Hk^T, M x K) and X = v (the value state, M x V),
+               both in one launch; it stores the state at the start of every chunk. With REVERSE it runs the
+               backward's state-gradient recursion instead.
   _fwd_out     (per chunk and head, all chunks at once): slot logits, the softmax over slots, the output.
 Every exp() argument is a sum of log gates (<= 0), never a difference of two cumulative sums: e^{G_t},
 e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums. Masked
@@ -117,14 +118,14 @@ def slot_softmax(Z, m_t, m_m):
 
 
 @triton.jit
-def _state_scan(w, g, x, cu, chunk_offsets, h0, hs, ht,
-                H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                PREC: tl.constexpr):
-    """Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
+def scan_tile(w, g, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
+              H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+              BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+              PREC: tl.constexpr):
+    """One [BM, BD] tile of one state, all of a sequence's chunks in order.
+    Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
     REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
               first; w = scale dZ with x = q, or w = p with x = do)."""
-    i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
@@ -157,6 +158,24 @@ def _state_scan(w, g, x, cu, chunk_offsets, h0, hs, ht,
         S = tl.exp(GC)[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
+
+
+@triton.jit
+def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, cu, chunk_offsets,
+                H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
+                BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
+                STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
+    first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
+    alone; launched together the two run side by side instead of one after the other."""
+    i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n1 = tl.cdiv(D1, BD)
+    if i_d < n1:
+        scan_tile(w1, g, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC)
+    else:
+        scan_tile(w2, g, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
+                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC)
 
 
 @triton.jit

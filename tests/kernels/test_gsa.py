@@ -55,8 +55,8 @@ def make_inputs(B, T, H, K, V, M, *, device="cpu", dtype=torch.float32, decay="m
     return xs, h0
 
 
-def run(fn, xs, h0, scale, cu_seqlens=None, seed=1, final=True, **kw):
-    """(outputs, grads) of fn for a fixed random cotangent on o and on both final states."""
+def run(fn, xs, h0, scale, cu_seqlens=None, seed=1, final=True, final_used=(True, True), **kw):
+    """(outputs, grads) of fn for a fixed random cotangent on o and on the final states (those in final_used)."""
     xs = [x.detach().clone().requires_grad_(True) for x in xs]
     h0 = None if h0 is None else tuple(x.detach().clone().requires_grad_(True) for x in h0)
     o, ht = fn(*xs, scale=scale, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens, **kw)
@@ -64,8 +64,10 @@ def run(fn, xs, h0, scale, cu_seqlens=None, seed=1, final=True, **kw):
     do = torch.randn(o.shape, generator=gen).to(o.device)
     loss = (o.double() * do.double()).sum()
     if final:
-        for h in ht:
-            loss = loss + (h.double() * torch.randn(h.shape, generator=gen).to(o.device).double()).sum()
+        for h, used in zip(ht, final_used):
+            cot = torch.randn(h.shape, generator=gen).to(o.device).double()
+            if used:
+                loss = loss + (h.double() * cot).sum()
     loss.backward()
     hs = [h.detach() for h in ht] if final else [None, None]
     grads = [x.grad for x in xs] + ([None, None] if h0 is None else [h.grad for h in h0])
@@ -176,6 +178,14 @@ def test_triton_interpreter_final_state_without_initial_state(interp):
     assert_close(run(interp, xs, None, 1.0), naive(xs, None, 1.0), CPU_TOL, "no h0, final states")
 
 
+@pytest.mark.parametrize("final_used", [(True, False), (False, True)])
+def test_triton_interpreter_one_final_state_in_the_loss(final_used, interp):
+    # autograd hands the backward None for the unused final state's gradient; both states scan in one launch
+    xs, h0 = make_inputs(2, 40, 1, 16, 32, 16, decay="wide", seed=13)
+    assert_close(run(interp, xs, h0, 1.0, final_used=final_used),
+                 run(naive_gsa, xs, h0, 1.0, final_used=final_used), CPU_TOL, f"final states used: {final_used}")
+
+
 def test_triton_interpreter_varlen_initial_state(interp):
     cu = torch.tensor([0, 33, 40, 90])
     xs, h0 = make_inputs(1, 90, 1, 16, 32, 32, decay="wide", n_seq=3, seed=6)
@@ -226,10 +236,10 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     BM, BT = gsa._slots(M), gsa._chunk(M)
     out = {}
     for rev in (False, True):
-        k = sm90.build(_state_scan, dict(H=4, M=M, D=K, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev, HAS_H0=True,
-                                         STORE_HT=True, PREC=gsa.PREC), gsa.SCAN_WARPS,
-                       types={"w": "*fp32" if rev else "*bf16", "g": "*fp32", "hs": "*fp32", "h0": "*fp32",
-                              "ht": "*fp32"})
+        k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
+                                         HAS_H0=True, STORE_HT=True, PREC=gsa.PREC), gsa.SCAN_WARPS,
+                       types={"w1": "*fp32" if rev else "*bf16", "w2": "*fp32" if rev else "*bf16", "g": "*fp32",
+                              **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
         out[f"_state_scan(reverse={rev})"] = k
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
