@@ -26,7 +26,10 @@ def main():
     args = p.parse_args()
     from kernels.settings import apply
     apply(args.set)
+    import triton
+
     from tests.kernels import test_gsa, test_rwkv7
+    print(f"Triton {triton.__version__} (the device image has 3.6: registers and spills differ between versions)")
 
     for title, table in ((f"RWKV-7, K = V = {args.kv}", test_rwkv7.compile_for_sm90(args.kv, args.kv, "resources")),
                          (f"GSA, M = {args.gsa_m}, K = V = 256", test_gsa.compile_for_sm90(args.gsa_m, what="resources"))):

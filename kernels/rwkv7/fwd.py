@@ -4,6 +4,8 @@ Two launches:
   _fwd_prep  (one program per chunk and head, all chunks at once): cumulative log decays, the pairwise chunk
              matrices (by halving, one product per level) A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the state-independent W = T a~, Uv = T A_ak v;
   _fwd_scan  (one program per sequence, head and V tile, chunks in order): U = W S + Uv, the output, the next state.
+             With FEED (FEED_SCAN in __init__.py) _fwd_prep also stores the decayed factors r e^g, b e^{gC-g},
+             k e^{gC-g} and e^{gC} that the scan otherwise forms on its sequential path.
 Every exp() argument is <= 0 by construction: masked entries are replaced by 0 before the exp and the result by 0
 after.
 Inputs are packed sequences [1, T_total, H, *]; states and everything the backward reuses are fp32.
@@ -27,9 +29,9 @@ def chunk_decays(w):
 
 
 @triton.jit
-def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
+def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, Rdec, Bend, Kend, EgC,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr):
+              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr, FEED: tl.constexpr):
     i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
     # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
@@ -79,6 +81,12 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
     b_W = mm(T, b_a * tl.exp(ge), PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
+    if FEED:   # the scan's per-chunk factors, so that its sequential loop only loads them (FEED_SCAN)
+        to_end = tl.exp(gC[None, :] - g)
+        store_rows(Rdec, b_r * tl.exp(g), tok, i_h, H, K, ck, m_t, m_k)
+        store_rows(Bend, b_b * to_end, tok, i_h, H, K, ck, m_t, m_k)
+        store_rows(Kend, b_k * to_end, tok, i_h, H, K, ck, m_t, m_k)
+        tl.store(EgC + (i_c * H + i_h).to(tl.int64) * K + ck, tl.exp(gC), mask=m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
@@ -88,9 +96,10 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
 
 
 @triton.jit
-def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
+def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, Rdec, Bend, Kend, EgC, h0, o, h, U, ht,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+              BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+              FEED: tl.constexpr):
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
@@ -111,13 +120,20 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht
     for i_t in range(tl.cdiv(eos - bos, BT)):
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-        gT = tl.cumsum(wT, axis=1)
-        gC = tl.sum(wT, axis=1)
-        to_endT = tl.exp(gC[:, None] - gT)
-        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        if FEED:   # the decayed factors from _fwd_prep: no cumulative sums or exps on the sequential path
+            r_decT = load_cols(Rdec, tok, i_h, H, K, ck, m_t, m_k)
+            b_endT = load_cols(Bend, tok, i_h, H, K, ck, m_t, m_k)
+            k_endT = load_cols(Kend, tok, i_h, H, K, ck, m_t, m_k)
+            e_gC = tl.load(EgC + ((c0 + i_t) * H + i_h).to(tl.int64) * K + ck, mask=m_k, other=1.)
+        else:
+            wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+            gT = tl.cumsum(wT, axis=1)
+            gC = tl.sum(wT, axis=1)
+            to_endT = tl.exp(gC[:, None] - gT)
+            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+            b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+            k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+            e_gC = tl.exp(gC)
         WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
         UvT = load_cols(Uv, tok, i_h, H, V, cv, m_t, m_v)
         vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
@@ -130,7 +146,7 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht
         oT = mm(St, r_decT, PREC) + mm(UT, tl.trans(A_rb), PREC) \
             + mm(vT, tl.trans(A_rk), PREC)
         store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
-        S = tl.exp(gC)[:, None] * S + mm(b_endT, tl.trans(UT), PREC) \
+        S = e_gC[:, None] * S + mm(b_endT, tl.trans(UT), PREC) \
             + mm(k_endT, tl.trans(vT), PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
