@@ -52,10 +52,12 @@ KWARPS = 4
 # The per-chunk kernels' level decays summed over half blocks (True) or differenced against a row gathered by a
 # one-hot product (False, measured); see levels.py.
 LEVEL_SUMS = False
-# _fwd_prep stores the forward scan's decayed factors (r e^g, b and k e^{gC-g}, e^{gC}; fp32, freed after the
-# forward) so that the scan's sequential loop only loads them: 545 instead of 964 sm_90 instructions per step
-# (Triton 3.6), one warp per scheduler, latency-bound. The same values either way.
-FEED_SCAN = False
+# The scans' decayed factors (r e^g, a e^{ge}, b and k e^{gC-g}, e^{gC}; fp32) stored by _fwd_prep, so that the
+# sequential loops only load them instead of forming them with cumulative sums and exps. 0: off; 1: the forward
+# scan's (freed after the forward; 545 instead of 963 sm_90 instructions per step with Triton 3.6); 2: the backward
+# scan's too (kept for the backward: 3 more fp32 [T, H, K] tensors per call; 468 instead of 950). The scans run one
+# warp per scheduler: latency-bound. The same values either way.
+FEED_SCAN = 0
 
 
 def _chunk_prec() -> str:
@@ -76,8 +78,9 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     Uv = torch.empty(1, T, H, V, **f32)
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
     fed = (*(torch.empty(1, T, H, K, **f32) for _ in range(3)), torch.empty(NT, H, K, **f32)) if FEED_SCAN \
-        else (None,) * 4
-    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, *fed,
+        else (None,) * 4   # Rdec, Bend, Kend, EgC
+    Adec = torch.empty(1, T, H, K, **f32) if FEED_SCAN == 2 else None
+    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, *fed, Adec,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, FEED=FEED_SCAN,
                        num_warps=PREP_WARPS)
@@ -89,13 +92,14 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, *fed, h0, o, h, U,
                                           ht, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
                                           STORE_HT=want_ht, PREC=PREC, FEED=FEED_SCAN, num_warps=SCAN_WARPS)
-    return o, ht, (h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT)
+    kept = (fed[0], Adec, fed[1], fed[3]) if FEED_SCAN == 2 else (None,) * 4   # for _bwd_scan
+    return o, ht, (h, U, Arb, Ark, Aak, Tinv, *kept, chunk_offsets, chunk_index, NT)
 
 
 def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
 
-    h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT = saved
+    h, U, Arb, Ark, Aak, Tinv, Rdec, Adec, Bend, EgC, chunk_offsets, chunk_index, NT = saved
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = CHUNK, max(16, next_pow2(K))
@@ -105,9 +109,10 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = _scan_bv(V, N * H)
-    _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
-                                          H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
-                                          STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
+    _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, Rdec, Adec, Bend, EgC,
+                                          dht, dh, dZ, dh0, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+                                          HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=PREC,
+                                          FEED=Rdec is not None, num_warps=SCAN_WARPS)
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)

@@ -17,9 +17,10 @@ from kernels.tl_utils import load_cols, mm, store_cols
 
 
 @triton.jit
-def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
+def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, Rdec, Adec, Bend, EgC, dht, dh, dZ, dh0,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+              BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+              FEED: tl.constexpr):
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
@@ -42,12 +43,19 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
         i_t = nt - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-        gT = tl.cumsum(wT, axis=1)
-        gC = tl.sum(wT, axis=1)
-        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT - wT)
-        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - gT)
+        if FEED:   # the decayed factors kept from the forward's _fwd_prep (FEED_SCAN = 2)
+            r_decT = load_cols(Rdec, tok, i_h, H, K, ck, m_t, m_k)
+            a_decT = load_cols(Adec, tok, i_h, H, K, ck, m_t, m_k)
+            b_endT = load_cols(Bend, tok, i_h, H, K, ck, m_t, m_k)
+            e_gC = tl.load(EgC + ((c0 + i_t) * H + i_h).to(tl.int64) * K + ck, mask=m_k, other=1.)
+        else:
+            wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+            gT = tl.cumsum(wT, axis=1)
+            gC = tl.sum(wT, axis=1)
+            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+            a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT - wT)
+            b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - gT)
+            e_gC = tl.exp(gC)
         doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
@@ -55,7 +63,7 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
         dUT = scale * mm(doT, A_rb, PREC) + mm(tl.trans(dS), b_endT, PREC)
         dZT = mm(dUT, T, PREC)
         store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
-        dS = tl.exp(gC)[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
+        dS = e_gC[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
             + mm(a_decT, tl.trans(dZT), PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)

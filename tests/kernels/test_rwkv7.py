@@ -179,16 +179,18 @@ def test_triton_interpreter_split_backward_level_sums(split, sums, K, V, decay, 
     assert_close(run(interp, xs, h0, 0.7), naive(xs, h0, 0.7), CPU_TOL, f"split={split} sums={sums} K={K} V={V}")
 
 
+@pytest.mark.parametrize("feed", [1, 2])
 @pytest.mark.parametrize("case", ["stress", "varlen", "K!=V"])
-def test_triton_interpreter_fed_forward_scan(case, monkeypatch, interp):
-    # FEED_SCAN: _fwd_prep stores the scan's decayed factors (and e^{gC} per chunk), the scan loads them
+def test_triton_interpreter_fed_scans(feed, case, monkeypatch, interp):
+    # FEED_SCAN: _fwd_prep stores the scans' decayed factors (and e^{gC} per chunk), the forward scan (1) or both
+    # scans (2) load them
     import kernels.rwkv7 as mod
-    monkeypatch.setattr(mod, "FEED_SCAN", True)
+    monkeypatch.setattr(mod, "FEED_SCAN", feed)
     cu = torch.tensor([0, 5, 37, 38, 100]) if case == "varlen" else None
     K, V = (32, 128) if case == "K!=V" else (32, 32)
     xs, h0 = make_inputs(1, 200 if case == "stress" else 100, 2, K, V, decay="stress" if case == "stress" else "wide",
                          n_seq=4 if cu is not None else None, seed=8)
-    assert_close(run(interp, xs, h0, 0.7, cu), naive(xs, h0, 0.7, cu), CPU_TOL, f"fed scan, {case}")
+    assert_close(run(interp, xs, h0, 0.7, cu), naive(xs, h0, 0.7, cu), CPU_TOL, f"FEED_SCAN={feed}, {case}")
 
 
 def test_triton_interpreter_split_backward_varlen(monkeypatch, interp):
@@ -217,7 +219,7 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
     BT, BK, BV, SBV = m.CHUNK, max(16, K), min(m.CHUNK_BV, max(16, V)), m._scan_bv(V, 128)  # the widest scan tile
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
                                 "dZ", "dh0", "dw", "d_rdec", "d_adec", "d_bend", "d_kend", "dArb", "dArk",
-                                "dAab", "dAak", "dgc", "dw_part", "Rdec", "Bend", "Kend", "EgC")}
+                                "dAab", "dAak", "dgc", "dw_part", "Rdec", "Adec", "Bend", "Kend", "EgC")}
     chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC)
     levels = dict(LEVELS=BT.bit_length() - 1, SUMS=m.LEVEL_SUMS)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
@@ -225,7 +227,14 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
         "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=m.FEED_SCAN, **levels), m.PREP_WARPS, f32),
         "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True, FEED=m.FEED_SCAN), m.SCAN_WARPS,
                                 f32),
-        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS, f32),
+        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True, FEED=m.FEED_SCAN == 2),
+                                m.SCAN_WARPS, f32),
+        # the fed scans (FEED_SCAN = 2 stores the most)
+        "_fwd_prep (FEED_SCAN 2)": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=2, **levels), m.PREP_WARPS, f32),
+        "_fwd_scan (FEED_SCAN 1, 2)": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True, FEED=1),
+                                                 m.SCAN_WARPS, f32),
+        "_bwd_scan (FEED_SCAN 2)": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True, FEED=True),
+                                              m.SCAN_WARPS, f32),
         "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, V=V, BV=BV, **levels), m.BWD_WARPS, f32),
         "_bwd_chunk_v (BWD_SPLIT 2, 3)": sm90.build(_bwd_chunk_v, dict(chunk, V=V, BV=BV), m.BWD_WARPS, f32),
         **{f"_bwd_chunk_k PART {part} (BWD_SPLIT {3 if part else 2})":
@@ -243,14 +252,14 @@ def test_kernel_resources_script_reports_every_kernel():
                           cwd=sm90.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
-    assert len(rows) == 8 + 5, proc.stdout
+    assert len(rows) == 11 + 5, proc.stdout
     for name, regs, stack, shared in rows:
         assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= sm90.H100_SMEM, name
 
 
 @pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
 def test_triton_kernels_compile_for_h100(K, V):
-    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", 8)
+    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", 11)
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
