@@ -1,7 +1,7 @@
 """GSA kernel benchmark: our chunk_gsa beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
 
     python scripts/bench_gsa.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
-    python scripts/bench_gsa.py --sweep         # also our chunk / warp / scan tile alternatives
+    python scripts/bench_gsa.py --sweep         # also our alternatives (FEED_SCAN, chunk, warps, scan tiles)
     python scripts/bench_gsa.py --profile       # also per-kernel CUDA time of one fwd+bwd
 
 Shapes: the GSA layer's head layout at hidden 1024 (4 heads, K = V = 256, M = 64 slots), B=8 x T=4096 and
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 # the timing and profiling harness is the RWKV-7 benchmark's (scripts/ is on sys.path when run as a script)
-from bench_kernels import bench, profile
+from bench_kernels import bench, profile, sweep
 
 SHAPES = [(8, 4096, 4, 256, 64), (2, 16384, 4, 256, 64)]   # B, T, H, K = V, M
 
@@ -53,24 +53,11 @@ def sdpa(q, k, v, s, f):
     return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).transpose(1, 2)
 
 
-# (chunk, chunk warps, scan warps, scan D tile): alternatives to the defaults in kernels/gsa/__init__.py
-# (None: the default's own choice); the D tile sets how many programs the sequential scans spread over.
-SWEEP = [(None, 8, 4, 16), (None, 8, 4, 32), (None, 8, 4, 64), (None, 8, 8, 16), (16, 8, 4, 16)]
-
-
-def sweep(mod, inputs):
-    default = (mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS, mod.SCAN_BD)
-    for cfg in SWEEP:
-        mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS, mod.SCAN_BD = cfg
-        label = f"CHUNK={cfg[0] or 'auto'} warps={cfg[1]} scan warps={cfg[2]} scan BD={cfg[3]}"
-        try:
-            f_ms, _ = bench(ours, inputs, False)
-            fb_ms, _ = bench(ours, inputs, True)
-        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory for a large chunk)
-            print(f"   sweep {label}: {type(e).__name__}: {e}"[:200])
-            continue
-        print(f"   sweep {label}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
-    mod.CHUNK, mod.CHUNK_WARPS, mod.SCAN_WARPS, mod.SCAN_BD = default
+# Alternatives to the defaults in kernels/gsa/__init__.py, one change at a time (bench_kernels.sweep prints each
+# one's time and its relative difference from the defaults). The scan D tile sets how many programs the sequential
+# scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path.
+SWEEP = [dict(FEED_SCAN=True), dict(FEED_SCAN=True, SCAN_BD=32), dict(FEED_SCAN=True, SCAN_BD=16),
+         dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(SCAN_WARPS=8), dict(CHUNK=16)]
 
 
 def main():
@@ -97,7 +84,7 @@ def main():
             res[name] = (f_ms, fb_ms, fb_mem)
             print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
             if name.startswith("ours") and args.sweep:
-                sweep(mod, inputs)
+                sweep(mod, ours, inputs, SWEEP)
             if args.profile and name != "SDPA flash (causal)":
                 profile(fn, inputs, f"{name} B={B} T={T}")
         for name, (f_ms, fb_ms, mem) in res.items():

@@ -104,26 +104,27 @@ SWEEP = [dict(), dict(FEED_SCAN=1), dict(FEED_SCAN=2), dict(LEVEL_SUMS=True), di
          dict(BWD_SPLIT=2, LEVEL_SUMS=True, KWARPS=8), dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True)]
 
 
-def grads(inputs):
+def grads(fn, inputs):
     """Output and input gradients of one fwd+bwd (fixed upstream gradient), flattened."""
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    o = ours(*xs)
+    o = fn(*xs)
     o.backward(torch.ones_like(o) / o.numel() ** 0.5)
     return [o.float()] + [x.grad.float() for x in xs]
 
 
-def sweep(mod, inputs):
-    """Alternatives to the defaults set in kernels/rwkv7/__init__.py (one setting changed at a time), each with its
-    largest relative RMS difference from the defaults over the output and the six input gradients."""
-    ref = grads(inputs)
-    for change in SWEEP:
+def sweep(mod, fn, inputs, changes=SWEEP):
+    """Alternatives to the defaults set in the kernel module `mod` (one change of its settings at a time), each with
+    its largest relative RMS difference from the defaults over the output and the input gradients."""
+    ref = grads(fn, inputs)
+    for change in changes:
         saved = {n: getattr(mod, n) for n in change}
         for n, x in change.items():
             setattr(mod, n, x)
         try:
-            f_ms, _ = bench(ours, inputs, False)
-            fb_ms, _ = bench(ours, inputs, True)
-            diff = max(((g - g0).pow(2).mean() / g0.pow(2).mean()).sqrt().item() for g, g0 in zip(grads(inputs), ref))
+            f_ms, _ = bench(fn, inputs, False)
+            fb_ms, _ = bench(fn, inputs, True)
+            diff = max(((g - g0).pow(2).mean() / g0.pow(2).mean()).sqrt().item()
+                       for g, g0 in zip(grads(fn, inputs), ref))
             print(f"   sweep {change}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, rel diff {diff:.1e}", flush=True)
         except Exception as e:  # noqa: BLE001  (a setting that does not compile is reported, not fatal)
             print(f"   sweep {change}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -163,7 +164,7 @@ def main():
             res[name] = (f_ms, fb_ms, fb_mem)
             print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
             if name.startswith("ours") and args.sweep:
-                sweep(mod, inputs)
+                sweep(mod, ours, inputs)
             if args.profile and name != "SDPA flash (causal)":
                 profile(fn, inputs, f"{name} B={B} T={T}")
         for name, (f_ms, fb_ms, mem) in res.items():

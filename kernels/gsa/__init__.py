@@ -31,6 +31,10 @@ PREC = "tf32"
 SCAN_BD: int | None = None   # D tile of the state scans (None: kernels.utils.scan_tile's choice)
 SCAN_WARPS = 4
 CHUNK_WARPS = 8   # fewer register spills than 4 in ptxas' report, and faster (bench_gsa.py --sweep)
+# The scans' inputs with their decays applied (s e^{sum_{j>t} g_j} from a small per-chunk kernel, kept for the
+# backward's rescan; p e^G and dZr e^G from _bwd_dz) and e^{G_C} per chunk, all fp32, so that the scans' sequential
+# loops form no cumulative sum and no exp. Off until timed; the same values either way.
+FEED_SCAN = False
 
 
 def _chunk(M: int) -> int:
@@ -46,9 +50,10 @@ def _slots(M: int) -> int:
     return max(16, next_pow2(M))
 
 
-def _scan(g, cu, tables, first, second, want_ht, reverse):
+def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None):
     """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends) of
-    two states at once, each given as (w, x, h0): returns (states, final state or None) for each."""
+    two states at once, each given as (w, x, h0): returns (states, final state or None) for each. With `egc`
+    (e^{G_C} per chunk) the w come with their decays applied (FEED_SCAN)."""
     from kernels.gsa.fwd import _state_scan
 
     chunk_offsets, _, NT = tables
@@ -66,9 +71,10 @@ def _scan(g, cu, tables, first, second, want_ht, reverse):
     # each state's tile as when they were scanned one after the other (measured), now side by side
     BD = SCAN_BD or scan_tile(max(D1, D2), N * H)
     grid = (N, H, triton.cdiv(D1, BD) + triton.cdiv(D2, BD))
-    _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, cu, chunk_offsets,
+    _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, egc, cu, chunk_offsets,
                       H=H, M=M, D1=D1, D2=D2, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
-                      HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
+                      HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, FEED=egc is not None,
+                      num_warps=SCAN_WARPS)
     return out
 
 
@@ -79,24 +85,41 @@ def _dims(q, v, s):
                 LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
 
 
+def _gate_factors(s, g, cu, tables):
+    """(s e^{sum_{j>t} g_j} [1, T, H, M], e^{G_C} [NT, H, M]) for the fed forward scans, or (s, None) unfed."""
+    if not FEED_SCAN:
+        return s, None
+    from kernels.gsa.fwd import _gate_factors as kernel
+
+    H, M = g.shape[2], g.shape[3]
+    sE = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    egc = torch.empty(tables[2], H, M, device=g.device, dtype=torch.float32)
+    kernel[(tables[2], H)](s, g, cu, tables[1], sE, egc, H=H, M=M, BT=_chunk(M), BM=_slots(M))
+    return sE, egc
+
+
 def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     from kernels.gsa.fwd import _fwd_out
 
-    (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (s, k, hk0), (s, v, hv0), want_ht, False)
+    sE, egc = _gate_factors(s, g, cu, tables)
+    (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc)
     o = torch.empty_like(v)
     _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, scale, **_dims(q, v, s))
-    return o, hkt, hvt
+    return o, hkt, hvt, (sE, egc) if FEED_SCAN else (None, None)
 
 
-def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt):
+def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc):
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
 
-    (hk, _), (hv, _) = _scan(g, cu, tables, (s, k, hk0), (s, v, hv0), False, False)
+    (hk, _), (hv, _) = _scan(g, cu, tables, (s if sE is None else sE, k, hk0), (s if sE is None else sE, v, hv0),
+                             False, False, egc)
     grid = (tables[2], q.shape[2])
     f32 = dict(device=q.device, dtype=torch.float32)
     p, dz, dg = (torch.empty(g.shape, **f32) for _ in range(3))
-    _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, p, dz, dg, scale, **_dims(q, v, s))
-    (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dz, q, dhkt), (p, do, dhvt), hk0 is not None, True)
+    pe, dze = (torch.empty(g.shape, **f32) for _ in range(2)) if egc is not None else (p, dz)
+    _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, p, dz, dg, pe, dze, scale, FEED=egc is not None,
+                  **_dims(q, v, s))
+    (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc)
     dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dq, dk, dv, ds, dg,
                      **_dims(q, v, s))
@@ -108,18 +131,19 @@ class _ChunkGSA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
-        o, hkt, hvt = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables)
-        # only the inputs are kept: the backward rescans the chunk states (cheap) instead of holding them
-        ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu)
+        o, hkt, hvt, fed = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables)
+        # only the inputs (and with FEED_SCAN the scans' small [T, H, M] factors) are kept: the backward rescans
+        # the chunk states (cheap) instead of holding them
+        ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu, *fed)
         ctx.tables, ctx.scale = tables, scale
         return o, hkt, hvt
 
     @staticmethod
     def backward(ctx, do, dhkt, dhvt):
-        q, k, v, s, g, hk0, hv0, cu = ctx.saved_tensors
+        q, k, v, s, g, hk0, hv0, cu, sE, egc = ctx.saved_tensors
         c = lambda x: None if x is None else x.contiguous()  # noqa: E731
         dq, dk, dv, ds, dg, dhk0, dhv0 = _bwd(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.tables,
-                                              do.contiguous(), c(dhkt), c(dhvt))
+                                              do.contiguous(), c(dhkt), c(dhvt), sE, egc)
         return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None
 
 

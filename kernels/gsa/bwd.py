@@ -19,9 +19,10 @@ from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, l
 
 
 @triton.jit
-def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, scale,
+def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, pe_out, dze_out, scale,
             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-            BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+            BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
+            FEED: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
@@ -53,6 +54,9 @@ def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, scale
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(dz_out, dZr, tok, i_h, H, M, cm, m_t, m_m)
+    if FEED:   # the reverse scans' inputs with their decay e^{G} applied (FEED_SCAN)
+        store_rows(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
+        store_rows(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
 
 
 @triton.jit

@@ -118,14 +118,16 @@ def slot_softmax(Z, m_t, m_m):
 
 
 @triton.jit
-def scan_tile(w, g, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
+def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, FEED: tl.constexpr):
     """One [BM, BD] tile of one state, all of a sequence's chunks in order.
     Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
     REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
-              first; w = scale dZ with x = q, or w = p with x = do)."""
+              first; w = scale dZ with x = q, or w = p with x = do).
+    FEED:     w comes with its decay already applied (fp32) and e^{G_C} per chunk from `egc`: the sequential
+              loop forms no cumulative sum and no exp (g is not read)."""
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
@@ -147,35 +149,57 @@ def scan_tile(w, g, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             i_t = j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)   # padded rows: g = w = x = 0
-        GC = tl.sum(b_g, axis=0)
-        if REVERSE:
-            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_g, axis=0))
+        if FEED:
+            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
+            e_GC = tl.load(egc + ((c0 + i_t) * H + i_h).to(tl.int64) * M + cm, mask=m_m, other=1.)
         else:
-            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
+            b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)   # padded rows: g = w = x = 0
+            e_GC = tl.exp(tl.sum(b_g, axis=0))
+            if REVERSE:
+                b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_g, axis=0))
+            else:
+                b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
         b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
         tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
-        S = tl.exp(GC)[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
+        S = e_GC[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
 
 
 @triton.jit
-def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, cu, chunk_offsets,
+def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_offsets,
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                STORE_HT: tl.constexpr, PREC: tl.constexpr):
+                STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr):
     """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
     first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
     alone; launched together the two run side by side instead of one after the other."""
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
-        scan_tile(w1, g, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
-                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC)
+        scan_tile(w1, g, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED)
     else:
-        scan_tile(w2, g, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
-                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC)
+        scan_tile(w2, g, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
+                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED)
+
+
+@triton.jit
+def _gate_factors(s, g, cu, chunk_index, sE, egc,
+                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr):
+    """Per chunk (FEED_SCAN): the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j}, and
+    e^{G_C}, so that the scans' sequential loops only load them."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    store_rows(sE, b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True)), tok, i_h, H, M, cm, m_t, m_m)
+    tl.store(egc + (i_c * H + i_h).to(tl.int64) * M + cm, tl.exp(tl.sum(b_g, axis=0)), mask=m_m)
 
 
 @triton.jit

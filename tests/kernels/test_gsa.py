@@ -221,6 +221,25 @@ def test_triton_interpreter_stress_decays(interp):
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
+@pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles"])
+def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
+    # FEED_SCAN: the scans load their inputs with the decays applied and e^{G_C} per chunk
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "FEED_SCAN", True)
+    cu, final_used, K, V = None, (True, True), 32, 32
+    if case == "varlen":
+        cu = torch.tensor([0, 33, 40, 90])
+    if case == "one final state":
+        final_used = (False, True)
+    if case == "D tiles":
+        monkeypatch.setattr(mod, "SCAN_BD", 16)
+        K, V = 32, 64
+    xs, h0 = make_inputs(1, 200 if case == "stress" else 90, 1, K, V, 32,
+                         decay="stress" if case == "stress" else "wide", n_seq=3 if cu is not None else None, seed=9)
+    assert_close(run(interp, xs, h0, 1.0, cu, final_used=final_used),
+                 run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, f"fed scans, {case}")
+
+
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
 def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -> dict:
@@ -228,7 +247,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     registers / stack / shared with what="resources"."""
     import kernels.gsa as gsa
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
-    from kernels.gsa.fwd import _fwd_out, _state_scan
+    from kernels.gsa.fwd import _fwd_out, _gate_factors, _state_scan
 
     why = sm90.unavailable()
     if why:
@@ -236,22 +255,29 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     BM, BT = gsa._slots(M), gsa._chunk(M)
     out = {}
     for rev in (False, True):
-        k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
-                                         HAS_H0=True, STORE_HT=True, PREC=gsa.PREC), gsa.SCAN_WARPS,
-                       types={"w1": "*fp32" if rev else "*bf16", "w2": "*fp32" if rev else "*bf16", "g": "*fp32",
-                              **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
-        out[f"_state_scan(reverse={rev})"] = k
+        for feed in (False, True):
+            k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
+                                             HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed), gsa.SCAN_WARPS,
+                           types={"w1": "*fp32" if rev or feed else "*bf16", "w2": "*fp32" if rev or feed else "*bf16",
+                                  "g": "*fp32", "egc": "*fp32",
+                                  **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
+            out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''})"] = k
+    out["_gate_factors (FEED_SCAN)"] = sm90.build(_gate_factors, dict(H=4, M=M, BT=BT, BM=BM), 4,
+                                                  types={"g": "*fp32", "sE": "*fp32", "egc": "*fp32"})
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
-    f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p_out", "dz_out", "p_in", "dz_in", "dg")}
+    f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p_out", "dz_out", "p_in", "dz_in", "dg", "pe_out",
+                                "dze_out")}
     for fn in (_fwd_out, _bwd_dz, _bwd_dkvsg):
-        out[fn.fn.__name__] = sm90.build(fn, consts, gsa.CHUNK_WARPS, types=f32)
+        out[fn.fn.__name__] = sm90.build(fn, dict(consts, FEED=False) if fn is _bwd_dz else consts,
+                                         gsa.CHUNK_WARPS, types=f32)
+    out["_bwd_dz (FEED_SCAN)"] = sm90.build(_bwd_dz, dict(consts, FEED=True), gsa.CHUNK_WARPS, types=f32)
     return sm90.report(out, what)
 
 
 @pytest.mark.parametrize("M", [64, 128])   # chunk 32 at M = 64, 16 at M = 128: the largest tiles each takes
 def test_triton_kernels_compile_for_h100(M):
-    sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M})", 5)
+    sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M})", 9)
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16

@@ -252,7 +252,7 @@ def test_kernel_resources_script_reports_every_kernel():
                           cwd=sm90.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
-    assert len(rows) == 11 + 5, proc.stdout
+    assert len(rows) == 11 + 9, proc.stdout
     for name, regs, stack, shared in rows:
         assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= sm90.H100_SMEM, name
 
