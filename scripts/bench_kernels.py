@@ -101,7 +101,9 @@ def profile(fn, inputs, label):
 # one per process: an illegal memory access poisons the CUDA context for the settings after it).
 SWEEP = [dict(), dict(FEED_SCAN=1), dict(FEED_SCAN=2), dict(LEVEL_SUMS=True), dict(BWD_SPLIT=3, LEVEL_SUMS=True),
          dict(BWD_SPLIT=2, LEVEL_SUMS=True), dict(BWD_SPLIT=3), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KWARPS=8),
-         dict(BWD_SPLIT=2, LEVEL_SUMS=True, KWARPS=8), dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True)]
+         dict(BWD_SPLIT=2, LEVEL_SUMS=True, KWARPS=8), dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True),
+         dict(LEVEL_SUMS=True, PREP_MAXNREG=168), dict(LEVEL_SUMS=True, PREP_MAXNREG=128),
+         dict(BWD_SPLIT=3, LEVEL_SUMS=True, KMAXNREG=168), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KMAXNREG=128)]
 
 
 def grads(fn, inputs):

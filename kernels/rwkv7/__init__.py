@@ -36,6 +36,11 @@ SCAN_WARPS = 4
 # warps of the two per-chunk kernels (forward prep, backward intra-chunk)
 PREP_WARPS = 4
 BWD_WARPS = 4
+# A register cap (ptxas .maxnreg) for _fwd_prep and the split backward's pairwise kernels (None: ptxas decides,
+# 192-255 per thread, 2 blocks per SM). 168 allows 3 blocks, 128 four, at the price of some spills
+# (scripts/kernel_resources.py); whether more blocks hide more latency than the spills cost is for the sweep.
+PREP_MAXNREG: int | None = None
+KMAXNREG: int | None = None
 
 
 def _scan_bv(V: int, sequences_x_heads: int) -> int:
@@ -58,6 +63,10 @@ LEVEL_SUMS = False
 # scan's too (kept for the backward: 3 more fp32 [T, H, K] tensors per call; 468 instead of 950). The scans run one
 # warp per scheduler: latency-bound. The same values either way.
 FEED_SCAN = 0
+
+
+def _cap(maxnreg: int | None) -> dict:
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 def _chunk_prec() -> str:
@@ -83,7 +92,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, *fed, Adec,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, FEED=FEED_SCAN,
-                       num_warps=PREP_WARPS)
+                       num_warps=PREP_WARPS, **_cap(PREP_MAXNREG))
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
@@ -133,7 +142,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dw_part = torch.empty(1, T, H, K, **f32) if BWD_SPLIT == 3 else None
     for part in ((0,) if BWD_SPLIT == 2 else (1, 2)):
         _bwd_chunk_k[(NT, H)](r, w, k, a, b, cu, chunk_index, *scratch, dr, dw, dk, da, db, dw_part, scale,
-                              PART=part, num_warps=KWARPS, **chunk, **levels)
+                              PART=part, num_warps=KWARPS, **_cap(KMAXNREG), **chunk, **levels)
     return dr, dw, dk, dv, da, db, dh0
 
 

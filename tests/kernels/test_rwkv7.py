@@ -224,13 +224,15 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
     levels = dict(LEVELS=BT.bit_length() - 1, SUMS=m.LEVEL_SUMS)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
     kernels = {
-        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=m.FEED_SCAN, **levels), m.PREP_WARPS, f32),
+        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=m.FEED_SCAN, **levels), m.PREP_WARPS, f32,
+                                m.PREP_MAXNREG),
         "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True, FEED=m.FEED_SCAN), m.SCAN_WARPS,
                                 f32),
         "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True, FEED=m.FEED_SCAN == 2),
                                 m.SCAN_WARPS, f32),
         # the fed scans (FEED_SCAN = 2 stores the most)
-        "_fwd_prep (FEED_SCAN 2)": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=2, **levels), m.PREP_WARPS, f32),
+        "_fwd_prep (FEED_SCAN 2)": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=2, **levels), m.PREP_WARPS, f32,
+                                              m.PREP_MAXNREG),
         "_fwd_scan (FEED_SCAN 1, 2)": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True, FEED=1),
                                                  m.SCAN_WARPS, f32),
         "_bwd_scan (FEED_SCAN 2)": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True, FEED=True),
@@ -238,7 +240,7 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
         "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, V=V, BV=BV, **levels), m.BWD_WARPS, f32),
         "_bwd_chunk_v (BWD_SPLIT 2, 3)": sm90.build(_bwd_chunk_v, dict(chunk, V=V, BV=BV), m.BWD_WARPS, f32),
         **{f"_bwd_chunk_k PART {part} (BWD_SPLIT {3 if part else 2})":
-           sm90.build(_bwd_chunk_k, dict(chunk, PART=part, **levels), m.KWARPS, f32) for part in (0, 1, 2)},
+           sm90.build(_bwd_chunk_k, dict(chunk, PART=part, **levels), m.KWARPS, f32, m.KMAXNREG) for part in (0, 1, 2)},
     }
     return sm90.report(kernels, what)
 
