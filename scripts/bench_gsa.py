@@ -57,7 +57,8 @@ def sdpa(q, k, v, s, f):
 # one's time and its relative difference from the defaults). The scan D tile sets how many programs the sequential
 # scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path.
 SWEEP = [dict(FEED_SCAN=True), dict(FEED_SCAN=True, SCAN_BD=32), dict(FEED_SCAN=True, SCAN_BD=16),
-         dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(SCAN_WARPS=8), dict(CHUNK=16)]
+         dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(SCAN_WARPS=8), dict(CHUNK=16),
+         dict(CHUNK_STAGES=1), dict(CHUNK_STAGES=2)]
 
 
 def main():

@@ -270,8 +270,9 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
                                 "dze_out")}
     for fn in (_fwd_out, _bwd_dz, _bwd_dkvsg):
         out[fn.fn.__name__] = sm90.build(fn, dict(consts, FEED=False) if fn is _bwd_dz else consts,
-                                         gsa.CHUNK_WARPS, types=f32)
-    out["_bwd_dz (FEED_SCAN)"] = sm90.build(_bwd_dz, dict(consts, FEED=True), gsa.CHUNK_WARPS, types=f32)
+                                         gsa.CHUNK_WARPS, types=f32, stages=gsa.CHUNK_STAGES)
+    out["_bwd_dz (FEED_SCAN)"] = sm90.build(_bwd_dz, dict(consts, FEED=True), gsa.CHUNK_WARPS, types=f32,
+                                            stages=gsa.CHUNK_STAGES)
     return sm90.report(out, what)
 
 
