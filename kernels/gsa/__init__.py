@@ -152,6 +152,9 @@ class _ChunkGSA(torch.autograd.Function):
         return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None
 
 
+# Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
+# tracing into the kernel launches.
+@torch.compiler.disable
 def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens):
     B, T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
