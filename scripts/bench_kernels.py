@@ -99,7 +99,7 @@ def profile(fn, inputs, label):
 
 # Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
 # one per process: an illegal memory access poisons the CUDA context for the settings after it).
-SWEEP = [dict(), dict(FEED_SCAN=1), dict(FEED_SCAN=2), dict(LEVEL_SUMS=True), dict(BWD_SPLIT=3, LEVEL_SUMS=True),
+SWEEP = [dict(), dict(FEED_SCAN=1), dict(FEED_SCAN=2), dict(FEED_SCAN=2, SCAN_BV=32), dict(LEVEL_SUMS=True), dict(BWD_SPLIT=3, LEVEL_SUMS=True),
          dict(BWD_SPLIT=2, LEVEL_SUMS=True), dict(BWD_SPLIT=3), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KWARPS=8),
          dict(BWD_SPLIT=2, LEVEL_SUMS=True, KWARPS=8), dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True),
          dict(LEVEL_SUMS=True, PREP_MAXNREG=168), dict(LEVEL_SUMS=True, PREP_MAXNREG=128),
