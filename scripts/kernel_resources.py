@@ -1,6 +1,7 @@
-"""Registers, stack bytes (spilled registers) per thread and shared memory per block of every RWKV-7 and GSA kernel,
-compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel change can be judged
-before a device call. The kernels and their launch settings are the ones the sm_90 compile tests build.
+"""Registers, stack bytes (spilled registers) per thread, shared memory per block and SASS instructions (in all, and
+in the largest loop body: a sequential scan's cost per step) of every RWKV-7 and GSA kernel, compiled offline for an
+H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel change can be judged before a device call. The
+kernels and their launch settings are the ones the sm_90 compile tests build.
 
     python scripts/kernel_resources.py [--kv 64] [--gsa-m 64] [--set rwkv7.LEVEL_SUMS=True --set rwkv7.CHUNK_PREC=bf16]
 """
@@ -35,9 +36,11 @@ def main():
                          (f"GSA, M = {args.gsa_m}, K = V = 256", test_gsa.compile_for_sm90(args.gsa_m, what="resources"))):
         if "unavailable" in table:
             raise SystemExit(f"this Triton cannot compile for CUDA: {table['unavailable']}")
-        print(f"\n{title} (sm_90)\n| kernel | registers | stack bytes | shared bytes |\n|---|---|---|---|")
+        print(f"\n{title} (sm_90)\n| kernel | registers | stack bytes | shared bytes | instructions | loop body |"
+              "\n|---|---|---|---|---|---|")
         for name, r in table.items():
-            print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared']} |", flush=True)
+            print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared']} | {r['instructions']} | {r['loop']} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int 
 
 
 def resources(compiled) -> dict:
-    """Registers and stack bytes (spilled registers) per thread from cuobjdump of the cubin (Triton bundles it), and
-    shared memory bytes per block."""
+    """From cuobjdump of the cubin (Triton bundles it): registers and stack bytes (spilled registers) per thread,
+    shared memory bytes per block, and SASS instructions: in all, and in the largest loop body (a sequential
+    scan's cost per step; 0 without a loop)."""
     import re
     import tempfile
 
@@ -42,10 +43,16 @@ def resources(compiled) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    found = dict(re.findall(r"(REG|STACK):(\d+)", out))
-    return dict(registers=int(found["REG"]), stack=int(found["STACK"]), shared=compiled.metadata.shared)
+        dump = lambda flag: subprocess.run([str(cuobjdump), flag, f.name], capture_output=True, text=True,  # noqa: E731
+                                           check=True).stdout
+        usage, sass = dump("--dump-resource-usage"), dump("-sass")
+    found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    # SASS lines look like "/*0a30*/   @P0 BRA 0x0910 ;": 16 bytes per instruction, a loop is a branch backwards
+    code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(a - int(t, 16)) // 16 + 1 for a, ins in code for t in re.findall(r"\bBRA\s+(0x[0-9a-f]+)", ins)
+             if int(t, 16) < a]
+    return dict(registers=int(found["REG"]), stack=int(found["STACK"]), shared=compiled.metadata.shared,
+                instructions=len(code), loop=max(loops, default=0))
 
 
 def report(kernels: dict, what: str) -> dict:

@@ -275,8 +275,10 @@ def test_kernel_resources_script_reports_every_kernel():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
     assert len(rows) == 11 + 9, proc.stdout
-    for name, regs, stack, shared in rows:
+    for name, regs, stack, shared, instructions, loop in rows:
         assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= sm90.H100_SMEM, name
+        # the scans are loops over chunks; their body is part of the kernel
+        assert 0 < int(loop) < int(instructions) if "scan" in name else 0 <= int(loop) < int(instructions), name
 
 
 @pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
