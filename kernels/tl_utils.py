@@ -44,6 +44,14 @@ def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def spare_chunk(cu, chunk_index, BT: tl.constexpr):
+    """True for a spare program of a packed batch (kernels.utils.chunk_tables launches an upper bound of chunks):
+    its chunk starts at or past its sequence's end. Per-chunk kernels return at once there, reading nothing."""
+    t0, eos = chunk_bounds(cu, chunk_index, tl.program_id(0), BT)
+    return t0 >= eos
+
+
+@triton.jit
 def chunk_program(cu, chunk_index, BT: tl.constexpr, BK: tl.constexpr, K: tl.constexpr):
     """The prologue of a per-chunk program (grid: chunks x heads): its chunk and head, row offsets, token indices
     with their validity mask (rows past the sequence's end are padding), feature offsets and mask."""

@@ -25,6 +25,8 @@ def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, pe_ou
             FEED: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+        return
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     tok = t0 + rows
@@ -65,6 +67,8 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
                BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+        return
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     tok = t0 + rows

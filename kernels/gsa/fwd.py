@@ -191,6 +191,8 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc,
     e^{G_C}, so that the scans' sequential loops only load them."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+        return
     rows = tl.arange(0, BT)
     tok = t0 + rows
     m_t = tok < eos
@@ -208,6 +210,8 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, scale,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+        return
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     tok = t0 + rows

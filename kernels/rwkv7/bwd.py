@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.rwkv7.fwd import chunk_program, decay_on, diag_of, load_rows, store_rows
 from kernels.rwkv7.levels import level_split_t, level_sums_t
-from kernels.tl_utils import load_cols, mm, store_cols
+from kernels.tl_utils import load_cols, mm, spare_chunk, store_cols
 
 
 @triton.jit
@@ -118,6 +118,8 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
                SUMS: tl.constexpr):
     # Token tiles are held feature-major ([BK or BV, BT], suffix T), so the large products have M = 64.
+    if spare_chunk(cu, chunk_index, BT):
+        return
     i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
     # Only k^ = k e^{gC - g} is needed inside the V loop; the other token tiles are loaded after it, so that they
@@ -209,6 +211,8 @@ def _bwd_chunk_v(w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     # First half of the per-chunk backward: dv and the raw gradients of the chunk's linear pieces (fp32 scratch).
+    if spare_chunk(cu, chunk_index, BT):
+        return
     i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
     wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
@@ -236,6 +240,8 @@ def _bwd_chunk_k(r, w, k, a, b, cu, chunk_index, d_rdec, d_adec, d_bend, d_kend,
                  PREC: tl.constexpr, PART: tl.constexpr, SUMS: tl.constexpr):
     # Second half: the pairwise-matrix gradients pushed back to r, k, a, b, and the log-decay gradients.
     # PART 0: all of it; 1: dr, da and their share of dw (into dw_part, fp32); 2: db, dk and dw.
+    if spare_chunk(cu, chunk_index, BT):
+        return
     i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
     incl = rows[:, None] >= cb[None, :]

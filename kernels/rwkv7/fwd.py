@@ -19,7 +19,7 @@ import triton.language as tl
 
 # bwd.py imports these from here too
 from kernels.rwkv7.levels import level_split, level_sums
-from kernels.tl_utils import chunk_program, decay_on, diag_of, load_cols, load_rows, mm, store_cols, store_rows  # noqa: F401
+from kernels.tl_utils import chunk_program, decay_on, diag_of, load_cols, load_rows, mm, spare_chunk, store_cols, store_rows  # noqa: F401
 
 
 @triton.jit
@@ -33,6 +33,8 @@ def chunk_decays(w):
 def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, Rdec, Bend, Kend, EgC, Adec,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr, FEED: tl.constexpr):
+    if spare_chunk(cu, chunk_index, BT):
+        return
     i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
     # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.

@@ -186,6 +186,22 @@ def test_triton_interpreter_one_final_state_in_the_loss(final_used, interp):
                  run(naive_gsa, xs, h0, 1.0, final_used=final_used), CPU_TOL, f"final states used: {final_used}")
 
 
+@pytest.mark.parametrize("feed", [False, True])
+def test_triton_interpreter_varlen_computes_no_invalid_value(feed, monkeypatch, interp):
+    # A packed batch launches an upper bound of chunks (kernels.utils.chunk_tables); the spare programs return at
+    # once instead of computing on unwritten state memory: no overflow or NaN anywhere, masked or not.
+    import numpy as np
+
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "FEED_SCAN", feed)
+    lens = [1, 17, 30, 64, 9]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, 32, n_seq=len(lens), seed=12)
+    with np.errstate(all="raise"):
+        got = run(interp, xs, h0, 1.0, cu)
+    assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
+
+
 def test_triton_interpreter_varlen_initial_state(interp):
     cu = torch.tensor([0, 33, 40, 90])
     xs, h0 = make_inputs(1, 90, 1, 16, 32, 32, decay="wide", n_seq=3, seed=6)
@@ -364,3 +380,22 @@ def test_gpu_matches_cpu_torch_path():
     got = run(chunk_gsa, xs, h0, None)
     cpu = run(chunk_gsa_torch, [x.cpu() for x in xs], tuple(h.cpu() for h in h0), None)
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
+
+
+# Every built variant (module settings, off by default until the sweep times them) in bf16 on the GPU.
+VARIANTS = [dict(FEED_SCAN=True), dict(FEED_SCAN=True, SCAN_BD=16), dict(CHUNK_STAGES=1), dict(CHUNK_STAGES=2)]
+
+
+@gpu
+@pytest.mark.parametrize("settings", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_gpu_variants_match_naive(settings, monkeypatch):
+    import kernels.gsa as mod
+    for name, value in settings.items():
+        monkeypatch.setattr(mod, name, value)
+    xs, h0 = make_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=torch.bfloat16, decay="stress", seed=11)
+    assert_close(run(chunk_gsa, xs, h0, 1.0), naive(xs, h0, 1.0), GPU_TOL, f"stress {settings}")
+    lens = [1, 17, 300, 64, 90]
+    cu = torch.tensor([0] + lens).cumsum(0).cuda()
+    xs, h0 = make_inputs(1, sum(lens), 2, 64, 128, 32, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=12)
+    assert_close(run(chunk_gsa, xs, h0, 1.0, cu, final_used=(False, True)),
+                 run(naive_gsa, xs, h0, 1.0, cu, final_used=(False, True)), GPU_TOL, f"varlen {settings}")

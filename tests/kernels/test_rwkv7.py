@@ -213,6 +213,22 @@ def test_triton_interpreter_fed_scans(feed, case, monkeypatch, interp):
     assert_close(run(interp, xs, h0, 0.7, cu), naive(xs, h0, 0.7, cu), CPU_TOL, f"FEED_SCAN={feed}, {case}")
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_triton_interpreter_varlen_computes_no_invalid_value(split, monkeypatch, interp):
+    # A packed batch launches an upper bound of chunks (kernels.utils.chunk_tables); the spare programs return at
+    # once instead of computing on unwritten state memory: no overflow or NaN anywhere, masked or not.
+    import numpy as np
+
+    import kernels.rwkv7 as mod
+    monkeypatch.setattr(mod, "BWD_SPLIT", split)
+    lens = [1, 17, 30, 64, 9]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, n_seq=len(lens), seed=11)
+    with np.errstate(all="raise"):
+        got = run(interp, xs, h0, 1.0, cu)
+    assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
+
+
 def test_triton_interpreter_split_backward_varlen(monkeypatch, interp):
     import kernels.rwkv7 as mod
     monkeypatch.setattr(mod, "BWD_SPLIT", 3)
@@ -349,3 +365,24 @@ def test_gpu_matches_cpu_torch_path():
     got = run(chunk_rwkv7, xs, h0, 1.0)
     cpu = run(chunk_rwkv7_torch, [x.cpu() for x in xs], h0.cpu(), 1.0)
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
+
+
+# Every built variant (module settings, off by default until the sweep times them) in bf16 on the GPU: stress decays
+# at T = 4096 with initial states, and packed sequences with K != V.
+VARIANTS = [dict(FEED_SCAN=1), dict(FEED_SCAN=2), dict(FEED_SCAN=2, SCAN_BV=32), dict(LEVEL_SUMS=True),
+            dict(BWD_SPLIT=2), dict(BWD_SPLIT=3, LEVEL_SUMS=True), dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True),
+            dict(LEVEL_SUMS=True, PREP_MAXNREG=168), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KMAXNREG=128)]
+
+
+@gpu
+@pytest.mark.parametrize("settings", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_gpu_variants_match_naive(settings, monkeypatch):
+    import kernels.rwkv7 as mod
+    for name, value in settings.items():
+        monkeypatch.setattr(mod, name, value)
+    xs, h0 = make_inputs(1, 4096, 2, 64, 64, device="cuda", dtype=torch.bfloat16, decay="stress", seed=10)
+    assert_close(run(chunk_rwkv7, xs, h0, 1.0), naive(xs, h0, 1.0), GPU_TOL, f"stress {settings}")
+    lens = [1, 17, 300, 64, 90]
+    cu = torch.tensor([0] + lens).cumsum(0).cuda()
+    xs, h0 = make_inputs(1, sum(lens), 2, 32, 128, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=11)
+    assert_close(run(chunk_rwkv7, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), GPU_TOL, f"varlen K != V {settings}")
