@@ -43,8 +43,8 @@ def chunk_tables(cu_seqlens: torch.Tensor, chunk: int, total: int, seq_len: int 
     read (`.tolist()`) would stall the CPU until the GPU drained, once per layer and call, leaving the GPU idle while
     Python prepares the next launches. `total` is the packed length; `seq_len` the common length of B equal rows
     (then NT is exact and the tables are cached). For packed sequences of unknown lengths NT is the upper bound
-    total // chunk + N (sum of ceil(len_i / chunk) <= that): the spare chunks map past the last sequence's end, so
-    their programs load nothing but padding and store nothing (every per-chunk store is masked by token).
+    total // chunk + N (sum of ceil(len_i / chunk) <= that): the spare chunks map past the last sequence's end,
+    and their programs return at once (tl_utils.spare_chunk).
     """
     N = cu_seqlens.numel() - 1
     if seq_len is not None:
