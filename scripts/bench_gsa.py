@@ -63,12 +63,14 @@ SWEEP = [dict(FEED_SCAN=True), dict(FEED_SCAN=True, SCAN_BD=32), dict(FEED_SCAN=
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", nargs="?", type=int, const=len(SWEEP), default=0, metavar="N",
+                   help="also time the first N (default: all) alternatives in SWEEP")
+    p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", default="all", choices=["all", "first"])
     args = p.parse_args()
     import kernels.gsa as mod
-    fla, why = fla_fn()
+    fla, why = fla_fn() if args.kernels == "all" else (None, "--kernels ours")
     if fla is None:
         print(f"note: FLA rows skipped ({why})")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -77,7 +79,7 @@ def main():
     for B, T, H, D, M in shapes:
         inputs = make(B, T, H, D, M)
         cands = [("ours chunk_gsa", ours)] + ([("FLA 0.6.0 chunk_gsa", fla)] if fla else []) \
-            + [("SDPA flash (causal)", sdpa)]
+            + ([("SDPA flash (causal)", sdpa)] if args.kernels == "all" else [])
         res = {}
         for name, fn in cands:
             f_ms, _ = bench(fn, inputs, False)
@@ -85,7 +87,7 @@ def main():
             res[name] = (f_ms, fb_ms, fb_mem)
             print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
             if name.startswith("ours") and args.sweep:
-                sweep(mod, ours, inputs, SWEEP)
+                sweep(mod, ours, inputs, SWEEP[:args.sweep])
             if args.profile and name != "SDPA flash (causal)":
                 profile(fn, inputs, f"{name} B={B} T={T}")
         for name, (f_ms, fb_ms, mem) in res.items():

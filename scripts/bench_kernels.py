@@ -138,7 +138,8 @@ def sweep(mod, fn, inputs, changes=SWEEP):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", nargs="?", type=int, const=len(SWEEP), default=0, metavar="N",
+                   help="also time the first N (default: all) alternatives in SWEEP")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", default="all", choices=["all", "first"])
     p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
@@ -167,7 +168,7 @@ def main():
             res[name] = (f_ms, fb_ms, fb_mem)
             print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
             if name.startswith("ours") and args.sweep:
-                sweep(mod, ours, inputs)
+                sweep(mod, ours, inputs, SWEEP[:args.sweep])
             if args.profile and name != "SDPA flash (causal)":
                 profile(fn, inputs, f"{name} B={B} T={T}")
         for name, (f_ms, fb_ms, mem) in res.items():
