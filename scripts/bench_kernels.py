@@ -99,12 +99,12 @@ def profile(fn, inputs, label):
 
 # Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
 # one per process: an illegal memory access poisons the CUDA context for the settings after it).
-SWEEP = [dict(FEED_SCAN=2), dict(FEED_SCAN=2, SCAN_BV=32), dict(FEED_SCAN=1), dict(LEVEL_SUMS=True),
-         dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True), dict(LEVEL_SUMS=True, PREP_MAXNREG=168),
-         dict(LEVEL_SUMS=True, PREP_MAXNREG=128), dict(BWD_SPLIT=3, LEVEL_SUMS=True),
+SWEEP = [dict(LEVEL_SUMS=True, PREP_MAXNREG=168), dict(LEVEL_SUMS=True, PREP_MAXNREG=128), dict(PREP_MAXNREG=168),
+         dict(LEVEL_SUMS=True, PREP_MAXNREG=144), dict(LEVEL_SUMS=True), dict(FEED_SCAN=1), dict(FEED_SCAN=2),
+         dict(FEED_SCAN=2, SCAN_BV=32), dict(BWD_SPLIT=3, LEVEL_SUMS=True),
          dict(BWD_SPLIT=3, LEVEL_SUMS=True, KMAXNREG=168), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KMAXNREG=128),
-         dict(BWD_SPLIT=2, LEVEL_SUMS=True), dict(BWD_SPLIT=3), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KWARPS=8),
-         dict(BWD_SPLIT=2, LEVEL_SUMS=True, KWARPS=8)]   # most promising first: a timeout keeps what it printed
+         dict(BWD_SPLIT=2, LEVEL_SUMS=True), dict(BWD_SPLIT=3),
+         dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True)]   # most promising first: a timeout keeps what it printed
 
 
 def grads(fn, inputs):
