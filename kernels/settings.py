@@ -1,8 +1,8 @@
 """Kernel module settings (tiles, warps, precisions, variants: the module-level constants of kernels.rwkv7 and
 kernels.gsa) changed by name, for benchmarks, offline compiles and test runs:
 
-    python scripts/bench_kernels.py --set rwkv7.LEVEL_SUMS=True --set rwkv7.BWD_SPLIT=3
-    FLAME_KERNEL_SETTINGS="rwkv7.LEVEL_SUMS=True,rwkv7.BWD_SPLIT=3" python -m pytest -m gpu tests/kernels
+    python scripts/bench_kernels.py --set rwkv7.LEVEL_SUMS=False --set rwkv7.PREP_MAXNREG=128
+    FLAME_KERNEL_SETTINGS="rwkv7.LEVEL_SUMS=False,gsa.FEED_SCAN=False" python -m pytest -m gpu tests/kernels
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def apply(items: list[str]) -> dict:
         target, sep, text = item.partition("=")
         family, dot, name = target.strip().partition(".")
         if not sep or not dot:
-            raise ValueError(f"kernel setting {item!r}: expected family.NAME=VALUE, e.g. rwkv7.BWD_SPLIT=3")
+            raise ValueError(f"kernel setting {item!r}: expected family.NAME=VALUE, e.g. rwkv7.PREP_MAXNREG=128")
         module = importlib.import_module(f"kernels.{family}")
         if not name.isupper() or not hasattr(module, name):
             raise ValueError(f"kernel setting {item!r}: kernels.{family} has no setting {name}")

@@ -1,7 +1,7 @@
 """GSA kernel benchmark: our chunk_gsa beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
 
     python scripts/bench_gsa.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
-    python scripts/bench_gsa.py --sweep         # also our alternatives (FEED_SCAN, chunk, warps, scan tiles)
+    python scripts/bench_gsa.py --sweep [N]     # also (the first N of) our alternatives: scan tiles, FEED_SCAN, ...
     python scripts/bench_gsa.py --profile       # also per-kernel CUDA time of one fwd+bwd
 
 Shapes: the GSA layer's head layout at hidden 1024 (4 heads, K = V = 256, M = 64 slots), B=8 x T=4096 and
@@ -56,9 +56,8 @@ def sdpa(q, k, v, s, f):
 # Alternatives to the defaults in kernels/gsa/__init__.py, one change at a time (bench_kernels.sweep prints each
 # one's time and its relative difference from the defaults). The scan D tile sets how many programs the sequential
 # scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path.
-SWEEP = [dict(FEED_SCAN=True), dict(FEED_SCAN=True, SCAN_BD=32), dict(FEED_SCAN=True, SCAN_BD=16),
-         dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(SCAN_WARPS=8), dict(CHUNK=16),
-         dict(CHUNK_STAGES=1), dict(CHUNK_STAGES=2)]
+SWEEP = [dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(FEED_SCAN=False), dict(SCAN_WARPS=8),
+         dict(CHUNK=16)]
 
 
 def main():

@@ -1,5 +1,5 @@
 """Registers, stack bytes (spilled registers) per thread, shared memory per block and SASS instructions (in all, and
-in the largest loop body: a sequential scan's cost per step) of every RWKV-7 and GSA kernel, compiled offline for an
+in the largest loop body, a sequential scan's step) of every RWKV-7 and GSA kernel, compiled offline for an
 H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel change can be judged before a device call. The
 kernels and their launch settings are the ones the sm_90 compile tests build.
 

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 
 def pytest_configure(config):
-    # FLAME_KERNEL_SETTINGS="rwkv7.LEVEL_SUMS=True,rwkv7.BWD_SPLIT=3": the tests run with other kernel settings
+    # FLAME_KERNEL_SETTINGS="rwkv7.LEVEL_SUMS=False,gsa.FEED_SCAN=False": the tests run with other kernel settings
     # (kernels/settings.py), e.g. a variant's GPU tests before it becomes the default.
     if os.environ.get("FLAME_KERNEL_SETTINGS"):
         from kernels.settings import apply_env

@@ -36,11 +36,10 @@ SCAN_WARPS = 4
 # warps of the two per-chunk kernels (forward prep, backward intra-chunk)
 PREP_WARPS = 4
 BWD_WARPS = 4
-# A register cap (ptxas .maxnreg) for _fwd_prep and the split backward's pairwise kernels (None: ptxas decides,
-# 192-255 per thread, 2 blocks per SM). 168 allows 3 blocks, 128 four, at the price of some spills
-# (scripts/kernel_resources.py); whether more blocks hide more latency than the spills cost is for the sweep.
-PREP_MAXNREG: int | None = 168   # H100, B=8 T=4096 with LEVEL_SUMS: 5.49 ms fwd+bwd against 5.70 uncapped
-KMAXNREG: int | None = None
+# A register cap (ptxas .maxnreg) for _fwd_prep (None: ptxas decides, 192 per thread with LEVEL_SUMS: 2 blocks per
+# SM). 168 allows 3 blocks at 32 spilled bytes (scripts/kernel_resources.py). H100, B=8 T=4096: 5.49 ms fwd+bwd
+# against 5.70 uncapped; 128 (4 blocks, 160 bytes spilled) 5.48, 144 5.51.
+PREP_MAXNREG: int | None = 168
 
 
 def _scan_bv(V: int, sequences_x_heads: int) -> int:
@@ -50,19 +49,10 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
     return SCAN_BV or scan_tile(V, sequences_x_heads)
 
 
-# The backward per-chunk work as 1 kernel (_bwd_chunk), or 2 (_bwd_chunk_v: the V loop; _bwd_chunk_k: the
-# pairwise terms) or 3 (the pairwise terms of rows and of columns apart), with fp32 scratch between them.
-BWD_SPLIT = 1
-KWARPS = 4
 # The per-chunk kernels' level decays summed over half blocks (True) or differenced against a row gathered by a
-# one-hot product (False, measured); see levels.py.
+# one-hot product (False); see levels.py. H100, B=8 T=4096: the same 5.70 ms alone, 5.49 against 5.58 with the
+# register cap (the sums hold fewer registers).
 LEVEL_SUMS = True
-# The scans' decayed factors (r e^g, a e^{ge}, b and k e^{gC-g}, e^{gC}; fp32) stored by _fwd_prep, so that the
-# sequential loops only load them instead of forming them with cumulative sums and exps. 0: off; 1: the forward
-# scan's (freed after the forward; 545 instead of 963 sm_90 instructions per step with Triton 3.6); 2: the backward
-# scan's too (kept for the backward: 3 more fp32 [T, H, K] tensors per call; 468 instead of 950). The scans run one
-# warp per scheduler: latency-bound. The same values either way.
-FEED_SCAN = 0
 
 
 def _cap(maxnreg: int | None) -> dict:
@@ -86,29 +76,25 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     W = torch.empty(1, T, H, K, **f32)
     Uv = torch.empty(1, T, H, V, **f32)
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
-    fed = (*(torch.empty(1, T, H, K, **f32) for _ in range(3)), torch.empty(NT, H, K, **f32)) if FEED_SCAN \
-        else (None,) * 4   # Rdec, Bend, Kend, EgC
-    Adec = torch.empty(1, T, H, K, **f32) if FEED_SCAN == 2 else None
-    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, *fed, Adec,
+    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
-                       LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, FEED=FEED_SCAN,
-                       num_warps=PREP_WARPS, **_cap(PREP_MAXNREG))
+                       LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, num_warps=PREP_WARPS,
+                       **_cap(PREP_MAXNREG))
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = _scan_bv(V, N * H)
-    _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, *fed, h0, o, h, U,
-                                          ht, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
-                                          STORE_HT=want_ht, PREC=PREC, FEED=FEED_SCAN, num_warps=SCAN_WARPS)
-    kept = (fed[0], Adec, fed[1], fed[3]) if FEED_SCAN == 2 else (None,) * 4   # for _bwd_scan
-    return o, ht, (h, U, Arb, Ark, Aak, Tinv, *kept, chunk_offsets, chunk_index, NT)
+    _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
+                                          scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
+                                          STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
+    return o, ht, (h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT)
 
 
 def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
 
-    h, U, Arb, Ark, Aak, Tinv, Rdec, Adec, Bend, EgC, chunk_offsets, chunk_index, NT = saved
+    h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT = saved
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = CHUNK, max(16, next_pow2(K))
@@ -118,31 +104,17 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = _scan_bv(V, N * H)
-    _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, Rdec, Adec, Bend, EgC,
-                                          dht, dh, dZ, dh0, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-                                          HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=PREC,
-                                          FEED=Rdec is not None, num_warps=SCAN_WARPS)
+    _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
+                                          H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
+                                          STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)
     chunk = dict(H=H, K=K, BT=BT, BK=BK, PREC=_chunk_prec())
     levels = dict(LEVELS=BT.bit_length() - 1, SUMS=LEVEL_SUMS)
     BV = min(CHUNK_BV, max(16, next_pow2(V)))
-    if BWD_SPLIT == 1:
-        _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-                            dr, dw, dk, dv, da, db, scale, V=V, BV=BV, num_warps=BWD_WARPS, **chunk, **levels)
-        return dr, dw, dk, dv, da, db, dh0
-    from kernels.rwkv7.bwd import _bwd_chunk_k, _bwd_chunk_v
-    d_rdec, d_adec, d_bend, d_kend = (torch.empty(1, T, H, K, **f32) for _ in range(4))
-    dArb, dArk, dAab, dAak = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
-    dgc = torch.empty(NT, H, K, **f32)
-    scratch = (d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc)
-    _bwd_chunk_v[(NT, H)](w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv, *scratch, scale,
-                          V=V, BV=BV, num_warps=BWD_WARPS, **chunk)
-    dw_part = torch.empty(1, T, H, K, **f32) if BWD_SPLIT == 3 else None
-    for part in ((0,) if BWD_SPLIT == 2 else (1, 2)):
-        _bwd_chunk_k[(NT, H)](r, w, k, a, b, cu, chunk_index, *scratch, dr, dw, dk, da, db, dw_part, scale,
-                              PART=part, num_warps=KWARPS, **_cap(KMAXNREG), **chunk, **levels)
+    _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+                        dr, dw, dk, dv, da, db, scale, V=V, BV=BV, num_warps=BWD_WARPS, **chunk, **levels)
     return dr, dw, dk, dv, da, db, dh0
 
 

@@ -17,10 +17,9 @@ from kernels.tl_utils import load_cols, mm, spare_chunk, store_cols
 
 
 @triton.jit
-def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, Rdec, Adec, Bend, EgC, dht, dh, dZ, dh0,
+def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
-              FEED: tl.constexpr):
+              BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
@@ -43,19 +42,12 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, Rdec, Adec, Bend, Eg
         i_t = nt - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        if FEED:   # the decayed factors kept from the forward's _fwd_prep (FEED_SCAN = 2)
-            r_decT = load_cols(Rdec, tok, i_h, H, K, ck, m_t, m_k)
-            a_decT = load_cols(Adec, tok, i_h, H, K, ck, m_t, m_k)
-            b_endT = load_cols(Bend, tok, i_h, H, K, ck, m_t, m_k)
-            e_gC = tl.load(EgC + ((c0 + i_t) * H + i_h).to(tl.int64) * K + ck, mask=m_k, other=1.)
-        else:
-            wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-            gT = tl.cumsum(wT, axis=1)
-            gC = tl.sum(wT, axis=1)
-            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-            a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT - wT)
-            b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - gT)
-            e_gC = tl.exp(gC)
+        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        gT = tl.cumsum(wT, axis=1)
+        gC = tl.sum(wT, axis=1)
+        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT - wT)
+        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - gT)
         doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
@@ -63,7 +55,7 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, Rdec, Adec, Bend, Eg
         dUT = scale * mm(doT, A_rb, PREC) + mm(tl.trans(dS), b_endT, PREC)
         dZT = mm(dUT, T, PREC)
         store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
-        dS = e_gC[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
+        dS = tl.exp(gC)[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
             + mm(a_decT, tl.trans(dZT), PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
@@ -196,119 +188,3 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
     store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)
-
-
-# ---- The same backward per-chunk work split in two or three kernels (BWD_SPLIT = 2 or 3 in __init__.py), with
-# fp32 scratch between them. Offline ptxas for sm_90 (scripts/kernel_resources.py, K = V = 64, 4 warps, with the
-# half-block level sums): _bwd_chunk 255 registers + 760 B of stack per thread (272 with the sums); _bwd_chunk_v
-# 255 + 56; _bwd_chunk_k PART 0 255 + 200, PART 1 and 2 204 and 208 registers, no stack. Not yet timed on a GPU:
-# scripts/bench_kernels.py --sweep compares them with the single kernel.
-
-
-@triton.jit
-def _bwd_chunk_v(w, k, v, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ, dv,
-                 d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc, scale,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    # First half of the per-chunk backward: dv and the raw gradients of the chunk's linear pieces (fp32 scratch).
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
-    cb = rows   # token offsets along the columns of [BT, BT] tiles
-    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-    gC = tl.sum(wT, axis=1)
-    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
-    A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
-    A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
-    d_rdecT, d_adecT, d_bendT, d_kendT, d_gC, dA_rb, dA_rk, dA_ab, dA_ak = v_tile_grads(
-        v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A_rk, A_ak, scale, H, K, V, BT, BK, BV, PREC)
-    store_cols(d_rdec, d_rdecT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(d_adec, d_adecT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(d_bend, d_bendT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(d_kend, d_kendT, tok, i_h, H, K, ck, m_t, m_k)
-    store_rows(dArb, dA_rb, tok, i_h, H, BT, cb, m_t, cb < BT)
-    store_rows(dArk, dA_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
-    store_rows(dAab, dA_ab, tok, i_h, H, BT, cb, m_t, cb < BT)
-    store_rows(dAak, dA_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
-    tl.store(dgc + (i_c * H + i_h).to(tl.int64) * K + ck, d_gC, mask=m_k)
-
-
-@triton.jit
-def _bwd_chunk_k(r, w, k, a, b, cu, chunk_index, d_rdec, d_adec, d_bend, d_kend, dArb, dArk, dAab, dAak, dgc,
-                 dr, dw, dk, da, db, dw_part, scale,
-                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
-                 PREC: tl.constexpr, PART: tl.constexpr, SUMS: tl.constexpr):
-    # Second half: the pairwise-matrix gradients pushed back to r, k, a, b, and the log-decay gradients.
-    # PART 0: all of it; 1: dr, da and their share of dw (into dw_part, fp32); 2: db, dk and dw.
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
-    cb = rows   # token offsets along the columns of [BT, BT] tiles
-    incl = rows[:, None] >= cb[None, :]
-    strict = rows[:, None] > cb[None, :]
-    m_a = cb < BT
-    dA_rb = tl.where(incl, load_rows(dArb, tok, i_h, H, BT, cb, m_t, m_a) * scale, 0.)
-    dA_rk = tl.where(incl, load_rows(dArk, tok, i_h, H, BT, cb, m_t, m_a) * scale, 0.)
-    dA_ab = tl.where(strict, load_rows(dAab, tok, i_h, H, BT, cb, m_t, m_a), 0.)
-    dA_ak = tl.where(strict, load_rows(dAak, tok, i_h, H, BT, cb, m_t, m_a), 0.)
-    rT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k)
-    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-    kT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k)
-    aT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k)
-    bT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k)
-    gT = tl.cumsum(wT, axis=1)
-    gC = tl.sum(wT, axis=1)
-    geT = gT - wT
-    d_rb = diag_of(dA_rb, rows, cb)[None, :]
-    d_rk = diag_of(dA_rk, rows, cb)[None, :]
-    if PART != 2:
-        drT = d_rb * bT + d_rk * kT + scale * load_cols(d_rdec, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-        daT = load_cols(d_adec, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(geT)
-    if PART != 1:
-        to_endT = tl.exp(gC[:, None] - gT)
-        d_bendT = load_cols(d_bend, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-        d_kendT = load_cols(d_kend, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-        d_gC = tl.load(dgc + (i_c * H + i_h).to(tl.int64) * K + ck, mask=m_k, other=0.) * tl.exp(gC) \
-            + tl.sum(bT * d_bendT + kT * d_kendT, axis=1)
-        dbT = d_rb * rT + d_bendT
-        dkT = d_rk * rT + d_kendT
-    for lvl in tl.static_range(LEVELS):
-        if SUMS:
-            to_row, to_row_ex, from_col, second, first, pair = level_sums_t(wT, rows, cb, BT, BK, BT >> lvl)
-        else:
-            g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
-            to_row, to_row_ex, from_col = gT - g_refT, geT - g_refT, g_refT - gT
-        m_rb = tl.where(pair, dA_rb, 0.)
-        m_rk = tl.where(pair, dA_rk, 0.)
-        m_ab = tl.where(pair, dA_ab, 0.)
-        m_ak = tl.where(pair, dA_ak, 0.)
-        if PART != 2:
-            e_col = decay_on(first, from_col)
-            b_hat = bT * e_col
-            k_hat = kT * e_col
-            drT += decay_on(second, to_row) * (mm(b_hat, tl.trans(m_rb), PREC) + mm(k_hat, tl.trans(m_rk), PREC))
-            daT += decay_on(second, to_row_ex) * (mm(b_hat, tl.trans(m_ab), PREC) + mm(k_hat, tl.trans(m_ak), PREC))
-        if PART != 1:
-            r_hat = rT * decay_on(second, to_row)
-            a_hat = aT * decay_on(second, to_row_ex)
-            e_col2 = decay_on(first, from_col)
-            dbT += e_col2 * (mm(r_hat, m_rb, PREC) + mm(a_hat, m_ab, PREC))
-            dkT += e_col2 * (mm(r_hat, m_rk, PREC) + mm(a_hat, m_ak, PREC))
-    # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s
-    if PART != 2:
-        d_ge = aT * daT
-        dw_rows = tl.cumsum(rT * drT + d_ge, axis=1, reverse=True) - d_ge
-        store_cols(dr, drT, tok, i_h, H, K, ck, m_t, m_k)
-        store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
-        if PART == 1:
-            store_cols(dw_part, dw_rows, tok, i_h, H, K, ck, m_t, m_k)
-    if PART != 1:
-        d_cols = tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.) - bT * dbT - kT * dkT
-        dwT = tl.cumsum(d_cols, axis=1, reverse=True)
-        if PART == 2:
-            dwT += load_cols(dw_part, tok, i_h, H, K, ck, m_t, m_k)
-        else:
-            dwT += dw_rows
-        store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
-        store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
-        store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)

@@ -4,9 +4,6 @@ Two launches:
   _fwd_prep  (one program per chunk and head, all chunks at once): cumulative log decays, the pairwise chunk
              matrices (by halving, one product per level) A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the state-independent W = T a~, Uv = T A_ak v;
   _fwd_scan  (one program per sequence, head and V tile, chunks in order): U = W S + Uv, the output, the next state.
-             With FEED (FEED_SCAN in __init__.py) _fwd_prep also stores the decayed factors r e^g, b e^{gC-g},
-             k e^{gC-g} and e^{gC} that the scan otherwise forms on its sequential path (and a e^{ge} for the
-             backward scan with FEED = 2).
 Every exp() argument is <= 0 by construction: masked entries are replaced by 0 before the exp and the result by 0
 after.
 Inputs are packed sequences [1, T_total, H, *]; states and everything the backward reuses are fp32.
@@ -30,9 +27,9 @@ def chunk_decays(w):
 
 
 @triton.jit
-def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, Rdec, Bend, Kend, EgC, Adec,
+def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr, FEED: tl.constexpr):
+              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr):
     if spare_chunk(cu, chunk_index, BT):
         return
     i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
@@ -82,17 +79,8 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, Rde
     store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Aak, A_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
-    a_dec = b_a * tl.exp(ge)
-    b_W = mm(T, a_dec, PREC)
+    b_W = mm(T, b_a * tl.exp(ge), PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
-    if FEED >= 1:   # the scans' per-chunk factors, so that their sequential loops only load them (FEED_SCAN)
-        to_end = tl.exp(gC[None, :] - g)
-        store_rows(Rdec, b_r * tl.exp(g), tok, i_h, H, K, ck, m_t, m_k)
-        store_rows(Bend, b_b * to_end, tok, i_h, H, K, ck, m_t, m_k)
-        store_rows(Kend, b_k * to_end, tok, i_h, H, K, ck, m_t, m_k)
-        tl.store(EgC + (i_c * H + i_h).to(tl.int64) * K + ck, tl.exp(gC), mask=m_k)
-    if FEED == 2:   # the backward scan's too
-        store_rows(Adec, a_dec, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
@@ -102,10 +90,9 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, Rde
 
 
 @triton.jit
-def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, Rdec, Bend, Kend, EgC, h0, o, h, U, ht,
+def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
-              FEED: tl.constexpr):
+              BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n)
@@ -126,20 +113,13 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, Rdec, Bend, Ken
     for i_t in range(tl.cdiv(eos - bos, BT)):
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        if FEED >= 1:   # the decayed factors from _fwd_prep: no cumulative sums or exps on the sequential path
-            r_decT = load_cols(Rdec, tok, i_h, H, K, ck, m_t, m_k)
-            b_endT = load_cols(Bend, tok, i_h, H, K, ck, m_t, m_k)
-            k_endT = load_cols(Kend, tok, i_h, H, K, ck, m_t, m_k)
-            e_gC = tl.load(EgC + ((c0 + i_t) * H + i_h).to(tl.int64) * K + ck, mask=m_k, other=1.)
-        else:
-            wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-            gT = tl.cumsum(wT, axis=1)
-            gC = tl.sum(wT, axis=1)
-            to_endT = tl.exp(gC[:, None] - gT)
-            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-            b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-            k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-            e_gC = tl.exp(gC)
+        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        gT = tl.cumsum(wT, axis=1)
+        gC = tl.sum(wT, axis=1)
+        to_endT = tl.exp(gC[:, None] - gT)
+        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
         UvT = load_cols(Uv, tok, i_h, H, V, cv, m_t, m_v)
         vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
@@ -152,7 +132,7 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, Rdec, Bend, Ken
         oT = mm(St, r_decT, PREC) + mm(UT, tl.trans(A_rb), PREC) \
             + mm(vT, tl.trans(A_rk), PREC)
         store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
-        S = e_gC[:, None] * S + mm(b_endT, tl.trans(UT), PREC) \
+        S = tl.exp(gC)[:, None] * S + mm(b_endT, tl.trans(UT), PREC) \
             + mm(k_endT, tl.trans(vT), PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)

@@ -34,7 +34,7 @@ def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int 
 def resources(compiled) -> dict:
     """From cuobjdump of the cubin (Triton bundles it): registers and stack bytes (spilled registers) per thread,
     shared memory bytes per block, and SASS instructions: in all, and in the largest loop body (a sequential
-    scan's cost per step; 0 without a loop)."""
+    scan's step; 0 without a loop)."""
     import re
     import tempfile
 

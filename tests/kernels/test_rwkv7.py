@@ -166,17 +166,14 @@ def test_triton_interpreter_stress_decays(interp):
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
-@pytest.mark.parametrize("split,sums,K,V,decay,T", [
-    *[(split, sums, 32, 32, "stress", 200) for split, sums in [(1, True), (2, False), (2, True), (3, False), (3, True)]],
-    *[(split, sums, K, V, "wide", 37) for split, sums in [(2, False), (3, True)] for K, V in [(32, 128), (128, 32)]]])
-def test_triton_interpreter_split_backward_level_sums(split, sums, K, V, decay, T, monkeypatch, interp):
-    # the backward per-chunk work in one, two or three kernels (BWD_SPLIT), the level decays gathered or summed over
-    # half blocks (LEVEL_SUMS, forward too)
+@pytest.mark.parametrize("sums,K,V,decay,T", [(False, 32, 32, "stress", 200), (True, 32, 32, "stress", 200),
+                                               (False, 32, 128, "wide", 37), (True, 128, 32, "wide", 37)])
+def test_triton_interpreter_level_sums(sums, K, V, decay, T, monkeypatch, interp):
+    # the level decays gathered against a reference row or summed over half blocks (LEVEL_SUMS), forward and backward
     import kernels.rwkv7 as mod
-    monkeypatch.setattr(mod, "BWD_SPLIT", split)
     monkeypatch.setattr(mod, "LEVEL_SUMS", sums)
-    xs, h0 = make_inputs(1, T, 2, K, V, decay=decay, seed=split + T)
-    assert_close(run(interp, xs, h0, 0.7), naive(xs, h0, 0.7), CPU_TOL, f"split={split} sums={sums} K={K} V={V}")
+    xs, h0 = make_inputs(1, T, 2, K, V, decay=decay, seed=K + T)
+    assert_close(run(interp, xs, h0, 0.7), naive(xs, h0, 0.7), CPU_TOL, f"sums={sums} K={K} V={V}")
 
 
 def test_triton_kernel_under_torch_compile(interp):
@@ -199,28 +196,14 @@ def test_triton_kernel_under_torch_compile(interp):
         torch.testing.assert_close(g, g0)
 
 
-@pytest.mark.parametrize("feed", [1, 2])
-@pytest.mark.parametrize("case", ["stress", "varlen", "K!=V"])
-def test_triton_interpreter_fed_scans(feed, case, monkeypatch, interp):
-    # FEED_SCAN: _fwd_prep stores the scans' decayed factors (and e^{gC} per chunk), the forward scan (1) or both
-    # scans (2) load them
-    import kernels.rwkv7 as mod
-    monkeypatch.setattr(mod, "FEED_SCAN", feed)
-    cu = torch.tensor([0, 5, 37, 38, 100]) if case == "varlen" else None
-    K, V = (32, 128) if case == "K!=V" else (32, 32)
-    xs, h0 = make_inputs(1, 200 if case == "stress" else 100, 2, K, V, decay="stress" if case == "stress" else "wide",
-                         n_seq=4 if cu is not None else None, seed=8)
-    assert_close(run(interp, xs, h0, 0.7, cu), naive(xs, h0, 0.7, cu), CPU_TOL, f"FEED_SCAN={feed}, {case}")
-
-
-@pytest.mark.parametrize("split", [1, 3])
-def test_triton_interpreter_varlen_computes_no_invalid_value(split, monkeypatch, interp):
+@pytest.mark.parametrize("sums", [False, True])
+def test_triton_interpreter_varlen_computes_no_invalid_value(sums, monkeypatch, interp):
     # A packed batch launches an upper bound of chunks (kernels.utils.chunk_tables); the spare programs return at
     # once instead of computing on unwritten state memory: no overflow or NaN anywhere, masked or not.
     import numpy as np
 
     import kernels.rwkv7 as mod
-    monkeypatch.setattr(mod, "BWD_SPLIT", split)
+    monkeypatch.setattr(mod, "LEVEL_SUMS", sums)
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
     xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, n_seq=len(lens), seed=11)
@@ -229,24 +212,15 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(split, monkeypatch,
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
 
 
-def test_triton_interpreter_split_backward_varlen(monkeypatch, interp):
-    import kernels.rwkv7 as mod
-    monkeypatch.setattr(mod, "BWD_SPLIT", 3)
-    monkeypatch.setattr(mod, "LEVEL_SUMS", True)
-    cu = torch.tensor([0, 5, 37, 38, 100])
-    xs, _ = make_inputs(1, 100, 2, 32, 32, decay="wide", n_seq=4, seed=7)
-    assert_close(run(interp, xs, None, 1.0, cu), naive(xs, None, 1.0, cu), CPU_TOL, "split varlen")
-
-
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
 
 def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
-    """Every RWKV-7 kernel (the backward's split variants too) at the shipped chunk / tiles / warps, compiled for
-    sm_90: {kernel: shared memory bytes}, or registers / stack / shared with what="resources"
-    (scripts/kernel_resources.py prints those)."""
+    """Every RWKV-7 kernel at the shipped chunk / tiles / warps / register cap, and the per-chunk kernels with the
+    other level form, compiled for sm_90: {kernel: shared memory bytes}, or registers / stack / shared /
+    instructions with what="resources" (scripts/kernel_resources.py prints those)."""
     import kernels.rwkv7 as m
-    from kernels.rwkv7.bwd import _bwd_chunk, _bwd_chunk_k, _bwd_chunk_v, _bwd_scan
+    from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
     from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
 
     why = sm90.unavailable()
@@ -254,29 +228,18 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
         return {"unavailable": why}
     BT, BK, BV, SBV = m.CHUNK, max(16, K), min(m.CHUNK_BV, max(16, V)), m._scan_bv(V, 128)  # the widest scan tile
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
-                                "dZ", "dh0", "dw", "d_rdec", "d_adec", "d_bend", "d_kend", "dArb", "dArk",
-                                "dAab", "dAak", "dgc", "dw_part", "Rdec", "Adec", "Bend", "Kend", "EgC")}
-    chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC)
-    levels = dict(LEVELS=BT.bit_length() - 1, SUMS=m.LEVEL_SUMS)
+                                "dZ", "dh0", "dw")}
+    chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC, V=V, BV=BV, LEVELS=BT.bit_length() - 1)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
+    other = f"LEVEL_SUMS={not m.LEVEL_SUMS}"
     kernels = {
-        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=m.FEED_SCAN, **levels), m.PREP_WARPS, f32,
-                                m.PREP_MAXNREG),
-        "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True, FEED=m.FEED_SCAN), m.SCAN_WARPS,
-                                f32),
-        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True, FEED=m.FEED_SCAN == 2),
-                                m.SCAN_WARPS, f32),
-        # the fed scans (FEED_SCAN = 2 stores the most)
-        "_fwd_prep (FEED_SCAN 2)": sm90.build(_fwd_prep, dict(chunk, V=V, BV=BV, FEED=2, **levels), m.PREP_WARPS, f32,
-                                              m.PREP_MAXNREG),
-        "_fwd_scan (FEED_SCAN 1, 2)": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True, FEED=1),
-                                                 m.SCAN_WARPS, f32),
-        "_bwd_scan (FEED_SCAN 2)": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True, FEED=True),
-                                              m.SCAN_WARPS, f32),
-        "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, V=V, BV=BV, **levels), m.BWD_WARPS, f32),
-        "_bwd_chunk_v (BWD_SPLIT 2, 3)": sm90.build(_bwd_chunk_v, dict(chunk, V=V, BV=BV), m.BWD_WARPS, f32),
-        **{f"_bwd_chunk_k PART {part} (BWD_SPLIT {3 if part else 2})":
-           sm90.build(_bwd_chunk_k, dict(chunk, PART=part, **levels), m.KWARPS, f32, m.KMAXNREG) for part in (0, 1, 2)},
+        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, SUMS=m.LEVEL_SUMS), m.PREP_WARPS, f32, m.PREP_MAXNREG),
+        "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True), m.SCAN_WARPS, f32),
+        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS, f32),
+        "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, SUMS=m.LEVEL_SUMS), m.BWD_WARPS, f32),
+        f"_fwd_prep ({other})": sm90.build(_fwd_prep, dict(chunk, SUMS=not m.LEVEL_SUMS), m.PREP_WARPS, f32,
+                                           m.PREP_MAXNREG),
+        f"_bwd_chunk ({other})": sm90.build(_bwd_chunk, dict(chunk, SUMS=not m.LEVEL_SUMS), m.BWD_WARPS, f32),
     }
     return sm90.report(kernels, what)
 
@@ -290,7 +253,7 @@ def test_kernel_resources_script_reports_every_kernel():
                           cwd=sm90.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
-    assert len(rows) == 11 + 9, proc.stdout
+    assert len(rows) == 6 + 9, proc.stdout
     for name, regs, stack, shared, instructions, loop in rows:
         assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= sm90.H100_SMEM, name
         # the scans are loops over chunks; their body is part of the kernel
@@ -299,7 +262,7 @@ def test_kernel_resources_script_reports_every_kernel():
 
 @pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
 def test_triton_kernels_compile_for_h100(K, V):
-    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", 11)
+    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", 6)
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
@@ -367,11 +330,9 @@ def test_gpu_matches_cpu_torch_path():
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
 
 
-# Every built variant (module settings, off by default until the sweep times them) in bf16 on the GPU: stress decays
-# at T = 4096 with initial states, and packed sequences with K != V.
-VARIANTS = [dict(FEED_SCAN=1), dict(FEED_SCAN=2), dict(FEED_SCAN=2, SCAN_BV=32), dict(LEVEL_SUMS=True),
-            dict(BWD_SPLIT=2), dict(BWD_SPLIT=3, LEVEL_SUMS=True), dict(FEED_SCAN=2, BWD_SPLIT=3, LEVEL_SUMS=True),
-            dict(LEVEL_SUMS=True, PREP_MAXNREG=168), dict(BWD_SPLIT=3, LEVEL_SUMS=True, KMAXNREG=128)]
+# The other settings the sweep times, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
+# sequences with K != V.
+VARIANTS = [dict(LEVEL_SUMS=False), dict(PREP_MAXNREG=None), dict(PREP_MAXNREG=128)]
 
 
 @gpu
