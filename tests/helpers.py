@@ -88,3 +88,18 @@ def read_checkpoint(dump: Path, step: int) -> dict:
     out = dump / f"step-{step}.pt"
     dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", out)
     return torch.load(out, weights_only=False)
+
+
+def assert_compiled_matches_eager(f, xs):
+    """torch.compile (eager backend) of f gives f's output and gradients on xs (tensors requiring grad)."""
+    import torch
+    import torch._dynamo
+
+    ref = f(*xs)
+    ref_grads = torch.autograd.grad(ref, xs)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="eager")(*xs)
+    grads = torch.autograd.grad(out, xs)
+    torch.testing.assert_close(out, ref)
+    for g, g0 in zip(grads, ref_grads):
+        torch.testing.assert_close(g, g0)

@@ -55,10 +55,6 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
 LEVEL_SUMS = True
 
 
-def _cap(maxnreg: int | None) -> dict:
-    return {} if maxnreg is None else {"maxnreg": maxnreg}
-
-
 def _chunk_prec() -> str:
     # the interpreter computes bf16 dots wrongly: there every product is exact fp32
     return "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK_PREC
@@ -79,7 +75,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, num_warps=PREP_WARPS,
-                       **_cap(PREP_MAXNREG))
+                       **({} if PREP_MAXNREG is None else {"maxnreg": PREP_MAXNREG}))
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)

@@ -13,8 +13,7 @@ H100_SMEM = 232448   # shared memory bytes one block may use on sm_90 (227 KiB)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int | None = None,
-          stages: int | None = None):
+def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int | None = None):
     """triton.compile of a @triton.jit kernel for sm_90: pointer arguments default to bf16, `types` overrides.
     Every pointer is taken as 16-byte aligned, as Triton specializes a launch with fresh tensors: without that the
     compiler can neither vectorize nor pipeline (cp.async) loads, and registers and spills differ from the GPU's."""
@@ -26,8 +25,7 @@ def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int 
     sig.update({n: tp for n, tp in {"cu": "*i32", "chunk_offsets": "*i32", "chunk_index": "*i32",
                                      "scale": "fp32"}.items() if n in sig})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    options = dict(num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-                   **({} if stages is None else {"num_stages": stages}))
+    options = dict(num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32), options=options)
 
 

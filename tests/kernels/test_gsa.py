@@ -239,21 +239,13 @@ def test_triton_interpreter_stress_decays(interp):
 
 def test_triton_kernel_under_torch_compile(interp):
     # the models compile their blocks: the kernel call stays a clean graph break, same output and gradients
-    import torch._dynamo
+    from tests.helpers import assert_compiled_matches_eager
 
     def f(q, k, v, s, g):
         return (interp(q * 2, k, v, s, g, scale=0.5)[0] * 3).sum()
 
     xs, _ = make_inputs(1, 20, 1, 16, 16, 16, decay="wide", seed=1)
-    xs = [x.requires_grad_(True) for x in xs]
-    ref = f(*xs)
-    ref_grads = torch.autograd.grad(ref, xs)
-    torch._dynamo.reset()
-    out = torch.compile(f, backend="eager")(*xs)
-    grads = torch.autograd.grad(out, xs)
-    torch.testing.assert_close(out, ref)
-    for g, g0 in zip(grads, ref_grads):
-        torch.testing.assert_close(g, g0)
+    assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
 @pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles"])

@@ -179,21 +179,13 @@ def test_triton_interpreter_level_sums(sums, K, V, decay, T, monkeypatch, interp
 def test_triton_kernel_under_torch_compile(interp):
     # The models compile their blocks (training.compile): the kernel call must stay a clean graph break (Dynamo
     # tracing into the launches fails), with the same output and gradients as eager.
-    import torch._dynamo
+    from tests.helpers import assert_compiled_matches_eager
 
     def f(r, w, k, v, a, b):
         return (interp(r * 2, w, k, v, a, b, scale=0.5)[0] * 3).sum()
 
     xs, _ = make_inputs(1, 20, 1, 16, 16, decay="wide", seed=1)
-    xs = [x.requires_grad_(True) for x in xs]
-    ref = f(*xs)
-    ref_grads = torch.autograd.grad(ref, xs)
-    torch._dynamo.reset()
-    out = torch.compile(f, backend="eager")(*xs)
-    grads = torch.autograd.grad(out, xs)
-    torch.testing.assert_close(out, ref)
-    for g, g0 in zip(grads, ref_grads):
-        torch.testing.assert_close(g, g0)
+    assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
 @pytest.mark.parametrize("sums", [False, True])
