@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 # the timing and profiling harness is the RWKV-7 benchmark's (scripts/ is on sys.path when run as a script)
-from bench_kernels import bench, profile, sweep
+from bench_kernels import TABLE_HEAD, bench, gpu_ms, profile, sweep, table_rows
 
 SHAPES = [(8, 4096, 4, 256, 64), (2, 16384, 4, 256, 64)]   # B, T, H, K = V, M
 
@@ -56,8 +56,8 @@ def sdpa(q, k, v, s, f):
 # Alternatives to the defaults in kernels/gsa/__init__.py, one change at a time (bench_kernels.sweep prints each
 # one's time and its relative difference from the defaults). The scan D tile sets how many programs the sequential
 # scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path.
-SWEEP = [dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(FEED_SCAN=False), dict(SCAN_WARPS=8),
-         dict(CHUNK=16)]
+SWEEP = [dict(CHUNK_WARPS=4), dict(OUT_WARPS=8), dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64),
+         dict(FEED_SCAN=False), dict(SCAN_WARPS=8), dict(CHUNK=16)]
 
 
 def main():
@@ -83,19 +83,15 @@ def main():
         for name, fn in cands:
             f_ms, _ = bench(fn, inputs, False)
             fb_ms, fb_mem = bench(fn, inputs, True)
-            res[name] = (f_ms, fb_ms, fb_mem)
-            print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms", flush=True)
+            res[name] = (f_ms, fb_ms, fb_mem, gpu_ms(fn, inputs))
+            print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, "
+                  f"GPU {res[name][3]:.3f} ms", flush=True)
             if name.startswith("ours") and args.sweep:
                 sweep(mod, ours, inputs, SWEEP[:args.sweep])
             if args.profile and name != "SDPA flash (causal)":
                 profile(fn, inputs, f"{name} B={B} T={T}")
-        for name, (f_ms, fb_ms, mem) in res.items():
-            ref = res.get("FLA 0.6.0 chunk_gsa")
-            ratio = f"{ref[1] / fb_ms:5.2f}x" if ref else "  n/a"
-            rows.append(f"| B={B} T={T} H={H} D={D} M={M} | {name:22s} | {f_ms:8.3f} | {fb_ms:8.3f} | "
-                        f"{B * T / fb_ms / 1e3:8.2f} | {mem:8.0f} | {ratio} |")
-    print("\n| shape | kernel | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | fwd+bwd peak MiB | FLA / this (fwd+bwd) |")
-    print("|---|---|---|---|---|---|---|")
+        rows += table_rows(f"B={B} T={T} H={H} D={D} M={M}", B * T, res, "FLA 0.6.0 chunk_gsa")
+    print("\n" + TABLE_HEAD)
     print("\n".join(rows))
 
 

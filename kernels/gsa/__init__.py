@@ -30,7 +30,10 @@ CHUNK: int | None = None
 PREC = "tf32"
 SCAN_BD: int | None = None   # D tile of the state scans (None: kernels.utils.scan_tile's choice)
 SCAN_WARPS = 4
-CHUNK_WARPS = 8   # fewer register spills than 4 in ptxas' report, and faster (bench_gsa.py --sweep)
+# Warps of the backward's per-chunk kernels (fewer register spills than 4 in ptxas' report; H100, B=8 T=4096:
+# 3.91 ms fwd+bwd against 5.91 with 4) and of the forward's _fwd_out (forward 1.16 ms against 1.41 with 8).
+CHUNK_WARPS = 8
+OUT_WARPS = 4
 # The scans' inputs with their decays applied (s e^{sum_{j>t} g_j} from a small per-chunk kernel, kept for the
 # backward's rescan; p e^G and dZr e^G from _bwd_dz) and e^{G_C} per chunk, all fp32, so that the scans' sequential
 # loops form no cumulative sum and no exp (245 instead of 994 sm_90 instructions per step). The same values either
@@ -106,25 +109,30 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     sE, egc = _gate_factors(s, g, cu, tables)
     (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc)
     o = torch.empty_like(v)
-    _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, scale, **_dims(q, v, s))
-    return o, hkt, hvt, (sE, egc) if FEED_SCAN else (None, None)
+    # the softmax p and the slot logits, kept for the backward (fp32 [T, H, M]): recomputing them there took
+    # longer (H100, B=8 T=4096: 4.04 ms fwd+bwd against 3.91)
+    p, z = (torch.empty(g.shape, device=g.device, dtype=torch.float32) for _ in range(2))
+    _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, p, z, scale,
+                                      **dict(_dims(q, v, s), num_warps=OUT_WARPS))
+    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z)
 
 
-def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc):
+def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z):
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
 
     (hk, _), (hv, _) = _scan(g, cu, tables, (s if sE is None else sE, k, hk0), (s if sE is None else sE, v, hv0),
                              False, False, egc)
     grid = (tables[2], q.shape[2])
     f32 = dict(device=q.device, dtype=torch.float32)
-    p, dz, dg = (torch.empty(g.shape, **f32) for _ in range(3))
+    dz, dg = (torch.empty(g.shape, **f32) for _ in range(2))
     pe, dze = (torch.empty(g.shape, **f32) for _ in range(2)) if egc is not None else (p, dz)
-    _bwd_dz[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, p, dz, dg, pe, dze, scale, FEED=egc is not None,
-                  **_dims(q, v, s))
+    dims = _dims(q, v, s)
+    _bwd_dz[grid](v, s, g, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, scale, FEED=egc is not None,
+                  **{n: x for n, x in dims.items() if n not in ("K", "BK")})   # it reads no key-side tensor
     (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc)
     dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dq, dk, dv, ds, dg,
-                     **_dims(q, v, s))
+                     **dims)
     return dq, dk, dv, ds, dg, dhk0, dhv0
 
 
@@ -134,7 +142,7 @@ class _ChunkGSA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
         o, hkt, hvt, fed = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables)
-        # only the inputs (and with FEED_SCAN the scans' small [T, H, M] factors) are kept: the backward rescans
+        # only the inputs and small [T, H, M] factors (FEED_SCAN's, the softmax) are kept: the backward rescans
         # the chunk states (cheap) instead of holding them
         ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu, *fed)
         ctx.tables, ctx.scale = tables, scale
@@ -142,10 +150,10 @@ class _ChunkGSA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dhkt, dhvt):
-        q, k, v, s, g, hk0, hv0, cu, sE, egc = ctx.saved_tensors
+        q, k, v, s, g, hk0, hv0, cu, *fed = ctx.saved_tensors
         c = lambda x: None if x is None else x.contiguous()  # noqa: E731
         dq, dk, dv, ds, dg, dhk0, dhv0 = _bwd(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.tables,
-                                              do.contiguous(), c(dhkt), c(dhvt), sE, egc)
+                                              do.contiguous(), c(dhkt), c(dhvt), *fed)
         return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None
 
 

@@ -1,8 +1,9 @@
 """Triton backward of chunked GSA (derivation in README.md).
 
-Chunk-start states are recomputed by the forward's _state_scan (nothing but the inputs is kept between passes).
-  _bwd_dz     (per chunk and head): recomputes the slot logits and p, forms dp and the softmax backward
-              dZr = scale dZ and the row part of the log-gate gradient; stores p and dZr for the next steps.
+Chunk-start states are recomputed by the forward's _state_scan (between the passes only the inputs and small
+[T, H, M] factors are kept).
+  _bwd_dz     (per chunk and head): from the forward's slot logits and p (kept by _fwd_out), forms dp and the
+              softmax backward dZr = scale dZ and the row part of the log-gate gradient; stores dZr.
   _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32) of both
               states in one launch: (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the
               initial-state gradients.
@@ -15,14 +16,13 @@ import triton
 import triton.language as tl
 
 from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, load_rows, load_state, pair_matrix,
-                             slot_logits, slot_softmax, store_rows)
+                             store_rows)
 
 
 @triton.jit
-def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, pe_out, dze_out, scale,
-            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-            BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-            FEED: tl.constexpr):
+def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, scale,
+            H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -35,12 +35,11 @@ def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, pe_ou
     m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
-    G = tl.cumsum(b_g, axis=0)
-    eG = tl.exp(G)
+    eG = tl.exp(tl.cumsum(b_g, axis=0))
     hbase = (i_c * H + i_h).to(tl.int64) * M
-    Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
-                         H, K, M, BT, BK, BM, LEVELS, PREC)
-    P = slot_softmax(scale * Zr, m_t, m_m)
+    # the forward's softmax p and slot logits Zr (kept by _fwd_out: recomputing them costs Hk, q and k here)
+    Zr = load_rows(z, tok, i_h, H, M, cm, m_t, m_m)
+    P = load_rows(p, tok, i_h, H, M, cm, m_t, m_m)
     # dp_t = e^{G_t} (Hv_0 do_t) + sum_{s<=t} (do_t . v_s) e^{G_t - G_s} s_s
     D2 = tl.zeros([BT, BT], dtype=tl.float32)
     dPH = tl.zeros([BT, BM], dtype=tl.float32)
@@ -54,7 +53,6 @@ def _bwd_dz(q, k, v, s, g, do, cu, chunk_index, hk, hv, p_out, dz_out, dg, pe_ou
     dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
     # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
-    store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(dz_out, dZr, tok, i_h, H, M, cm, m_t, m_m)
     if FEED:   # the reverse scans' inputs with their decay e^{G} applied (FEED_SCAN)
         store_rows(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)

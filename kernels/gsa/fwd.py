@@ -5,7 +5,8 @@ Two launches:
                (s e^{G_C - G})^T X for X = k (the key state, kept as Hk^T, M x K) and X = v (the value state, M x V),
                both in one launch; it stores the state at the start of every chunk. With REVERSE it runs the
                backward's state-gradient recursion instead.
-  _fwd_out     (per chunk and head, all chunks at once): slot logits, the softmax over slots, the output.
+  _fwd_out     (per chunk and head, all chunks at once): slot logits, the softmax over slots (both kept for the
+               backward), the output.
 Every exp() argument is a sum of log gates (<= 0), never a difference of two cumulative sums: e^{G_t},
 e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums. Masked
 entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed sequences [1, T_total, H, *]; states, gates and softmax are fp32.
@@ -205,7 +206,7 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc,
 
 
 @triton.jit
-def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, scale,
+def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, scale,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -225,6 +226,9 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, scale,
     Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
                          H, K, M, BT, BK, BM, LEVELS, PREC)
     P = slot_softmax(scale * Zr, m_t, m_m)
+    # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
+    store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
+    store_rows(z_out, Zr, tok, i_h, H, M, cm, m_t, m_m)
     # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
     A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
     Pe = P * tl.exp(G)

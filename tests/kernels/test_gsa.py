@@ -293,12 +293,14 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
                                                   types={"g": "*fp32", "sE": "*fp32", "egc": "*fp32"})
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
-    f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p_out", "dz_out", "p_in", "dz_in", "dg", "pe_out",
-                                "dze_out")}
-    for fn in (_fwd_out, _bwd_dz, _bwd_dkvsg):
-        out[fn.fn.__name__] = sm90.build(fn, dict(consts, FEED=False) if fn is _bwd_dz else consts,
-                                         gsa.CHUNK_WARPS, types=f32)
-    out["_bwd_dz (FEED_SCAN)"] = sm90.build(_bwd_dz, dict(consts, FEED=True), gsa.CHUNK_WARPS, types=f32)
+    f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p", "z", "p_out", "z_out", "dz_out", "p_in", "dz_in",
+                                "dg", "pe_out", "dze_out")}
+    out["_fwd_out"] = sm90.build(_fwd_out, consts, gsa.OUT_WARPS, types=f32)
+    dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
+    for feed in (False, True):
+        out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}"] = sm90.build(_bwd_dz, dict(dz_consts, FEED=feed),
+                                                                   gsa.CHUNK_WARPS, types=f32)
+    out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, consts, gsa.CHUNK_WARPS, types=f32)
     return sm90.report(out, what)
 
 
