@@ -1,0 +1,64 @@
+"""Where a training step's GPU time goes: one forward + backward of a config's model on random tokens, bf16
+parameters, under the PyTorch profiler; prints the kernels taking the most time and their total. No data, no
+optimizer, no FSDP: the model's own compute only (the micro-batch may be smaller than the config's, to fit).
+
+    python scripts/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the config's training.seq_len")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--compile", action="store_true", help="torch.compile each block, as training.compile does")
+    a = p.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from flame.config import load_config
+    from flame.models import build_model
+
+    cfg = load_config(a.config)
+    T = a.seq_len or cfg.training.seq_len
+    model = build_model(cfg.model).cuda()
+    model.init_weights()
+    model.to(torch.bfloat16)
+    if a.compile:
+        for block in model.layers:
+            block.compile()
+    ids = torch.randint(0, cfg.model.vocab_size, (a.batch, T), device="cuda")
+
+    def step():
+        loss = model(ids, labels=ids)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    step()   # compiles the kernels (and the blocks)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(ms for _, ms, _ in rows)
+    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens on {torch.cuda.get_device_name()}: "
+          f"{total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches")
+    for name, ms, count in rows[:a.top]:
+        print(f"  {ms:8.2f} ms {100 * ms / total:5.1f} % {count:5d}x  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
