@@ -72,6 +72,10 @@ class TimeMix(nn.Module):
     def __init__(self, args: RWKV7Args, layer_id: int):
         super().__init__()
         self.args, self.layer_id = args, layer_id
+        # forward branches on this bool, never on layer_id: torch.compile treats an int attribute as a constant,
+        # so branching on layer_id compiled the block once per layer and fell back to eager past its recompile limit
+        # (8 of 24 layers compiled)
+        self.supplies_v_first = layer_id == 0
         C, N = args.hidden_size, args.head_dim
         self.n_heads = C // N
         self.lerp = nn.Parameter(torch.empty(6, C))        # token-shift mix for r, w, k, v, a, g
@@ -138,7 +142,7 @@ class TimeMix(nn.Module):
         # The log decay in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels over long contexts.
         z = self.w0.float() + torch.tanh((xw @ self.w1).float()) @ self.w2.float()
         w = -DECAY_SCALE * torch.sigmoid(z)
-        if self.layer_id == 0:
+        if self.supplies_v_first:
             v_first = v
         else:
             v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
