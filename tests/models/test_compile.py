@@ -30,3 +30,33 @@ def test_blocks_compile_once_whatever_the_depth(config):
     # RWKV-7's first layer differs (it supplies v_first): two variants; the others one
     assert 1 <= graphs <= 2, f"{config}: {graphs} compiled graphs for {len(model.layers)} blocks"
     torch.testing.assert_close(loss, eager_loss)
+
+
+@pytest.mark.parametrize("config,module,kernel", [("rwkv7_tiny", "flame.models.rwkv7", "chunk_rwkv7"),
+                                                  ("gsa_tiny", "flame.models.gsa", "chunk_gsa")])
+def test_packed_batches_stop_recompiling(config, module, kernel, monkeypatch):
+    # Packed documents change cu_seqlens' length every step. On the GPU the chunk kernel is opaque to Dynamo
+    # (torch.compiler.disable on its Triton entry); here the CPU path is made opaque the same way. After one
+    # recompile (Dynamo then takes the length as dynamic) no new document count may compile again.
+    import importlib
+
+    import torch._dynamo as dynamo
+
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, kernel, torch.compiler.disable(getattr(mod, kernel)))
+    cfg = load_config(f"configs/{config}.toml", ["--model.num_layers=10"])
+    model = build_model(cfg.model)
+    model.init_weights()
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    for block in model.layers:
+        block.compile(backend="eager")
+    gen = torch.Generator().manual_seed(0)
+    graphs = []
+    for n_docs in (2, 3, 5, 4, 9, 1, 13):
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=gen)
+        cuts = (torch.randperm(127, generator=gen)[:n_docs - 1] + 1).sort().values
+        cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([128])]).to(torch.int32)
+        model(ids, labels=ids, cu_seqlens=cu).backward()
+        graphs.append(dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[1]] * (len(graphs) - 1), f"{config}: graphs after each step {graphs}"
