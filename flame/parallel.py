@@ -72,18 +72,22 @@ def init_distributed(cfg: ParallelismConfig) -> Dist:
 
 def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
                 compile: bool) -> nn.Module:
-    """Checkpoint, compile and shard each block of `model.layers`, then the root (torchtitan's order).
+    """Compile, checkpoint and shard each block of `model.layers`, then the root.
+
+    Compiled inside the checkpoint wrapper, not around it (torchtitan's order): Dynamo traces checkpoint() as one
+    higher-order op that it cannot split, so a block whose chunk kernel breaks the graph (RWKV-7, GSA) ran entirely
+    eager under full activation checkpointing, and training.compile did nothing.
 
     Gradients are reduced as a SUM: the loss is already divided by the global token count, so FSDP's own
     averaging over ranks would divide a second time.
     """
+    if compile:
+        for block in model.layers:
+            block.compile()
     if activation_checkpoint == "full":
         from torchtitan.distributed.activation_checkpoint import FullAC
 
         FullAC(FullAC.Config()).apply(model)
-    if compile:
-        for block in model.layers:
-            block.compile()
     if d.on_gpu:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     else:  # CPU: fp32 throughout (bf16 matmuls on CPU are slow and not what tests compare against)

@@ -60,3 +60,51 @@ def test_packed_batches_stop_recompiling(config, module, kernel, monkeypatch):
         model(ids, labels=ids, cu_seqlens=cu).backward()
         graphs.append(dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[1:] == [graphs[1]] * (len(graphs) - 1), f"{config}: graphs after each step {graphs}"
+
+
+AC_COMPILE_SCRIPT = r"""
+import sys, torch, torch._dynamo as dynamo
+import flame.models.gsa as G, flame.models.rwkv7 as R
+from flame import parallel
+from flame.config import load_config
+from flame.models import build_model
+
+compile_ = torch.nn.Module.compile
+torch.nn.Module.compile = lambda self, *a, **k: compile_(self, backend="eager")   # graph capture only
+R.chunk_rwkv7 = torch.compiler.disable(R.chunk_rwkv7)    # opaque to Dynamo, as the Triton entries are on the GPU
+G.chunk_gsa = torch.compiler.disable(G.chunk_gsa)
+cfg = load_config(f"configs/{sys.argv[1]}.toml", ["--model.num_layers=4"])
+d = parallel.init_distributed(cfg.parallelism)
+ids = torch.randint(0, cfg.model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+losses = []
+for compile in (False, True):
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    model.init_weights()
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    model = parallel.parallelize(model, d, param_dtype="float32", reduce_dtype="float32",
+                                 activation_checkpoint="full", compile=compile)
+    loss = model(ids, labels=ids)
+    loss.backward()
+    losses.append(loss.item())
+print(dynamo.utils.counters["stats"]["unique_graphs"], losses[0], losses[1])
+"""
+
+
+@pytest.mark.parametrize("config", ["rwkv7_tiny", "gsa_tiny", "transformer_tiny"])
+def test_blocks_compile_under_full_activation_checkpointing(config):
+    # Dynamo traces checkpoint() as one higher-order op and cannot split it: a block whose kernel call breaks the
+    # graph, compiled *outside* its checkpoint wrapper, ran entirely eager (0 graphs for RWKV-7 and GSA, so
+    # training.compile did nothing with activation_checkpoint = "full"). Compiled inside the wrapper it compiles.
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    proc = subprocess.run([sys.executable, "-c", AC_COMPILE_SCRIPT, config], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    graphs, eager_loss, compiled_loss = proc.stdout.split()
+    assert int(graphs) >= 1, f"{config}: no block was compiled under full activation checkpointing"
+    assert float(compiled_loss) == pytest.approx(float(eager_loss), rel=1e-6)
