@@ -192,9 +192,11 @@ class Block(nn.Module):
         self.ffn = ChannelMix(args, layer_id)
 
     def forward(self, x, v_first, keep, cu_seqlens):
-        h, v_first = self.attn(self.attn_norm(x), v_first, keep, cu_seqlens)
+        """(x, v_first) from the first layer, (x, None) from the others: handing an input back out makes FSDP2 warn
+        that the block returned a view (its pre-forward hook makes views of the inputs)."""
+        h, v = self.attn(self.attn_norm(x), v_first, keep, cu_seqlens)
         x = x + h
-        return x + self.ffn(self.ffn_norm(x), keep), v_first
+        return x + self.ffn(self.ffn_norm(x), keep), v if self.attn.supplies_v_first else None
 
 
 @register("rwkv7", RWKV7Args)
@@ -235,7 +237,8 @@ class RWKV7(nn.Module):
             keep = keep.to(x.dtype)
         v_first = None
         for block in self.layers:
-            x, v_first = block(x, v_first, keep, cu_seqlens)
+            x, v = block(x, v_first, keep, cu_seqlens)
+            v_first = v_first if v is None else v
         x = self.norm(x)
         if labels is None:
             return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
