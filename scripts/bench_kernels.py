@@ -81,24 +81,28 @@ def sdpa(r, w, k, v, a, b):
     return F.scaled_dot_product_attention(q, kk, vv, is_causal=True).transpose(1, 2)
 
 
+def kernel_times(fn, xs) -> list[tuple[str, float]]:
+    """(kernel name, ms) of every kernel that ran on the GPU during one fwd+bwd of fn on xs, under the profiler."""
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    torch.cuda.synchronize()
+    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+        o = fn(*xs)
+        o.backward(torch.ones_like(o))
+        torch.cuda.synchronize()
+    for x in xs:
+        x.grad = None
+    return [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+
+
 def gpu_ms(fn, inputs, runs=3):
     """Time the GPU spends in kernels during one fwd+bwd (the sum of the kernels' durations, median of `runs`): the
     device's work alone, without the gaps in which it waits for the host to launch the next kernel. The timed
     fwd+bwd includes those gaps, so it depends on the host's speed where the kernels are short and many (FLA's
     fwd+bwd took 3.66 to 5.34 ms on four H100 machines while its kernels took about 3.4 ms)."""
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    totals = []
-    for _ in range(runs + 1):   # the first run warms up
-        torch.cuda.synchronize()
-        with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
-            o = fn(*xs)
-            o.backward(torch.ones_like(o))
-            torch.cuda.synchronize()
-        totals.append(sum(e.device_time_total for e in prof.key_averages()) / 1e3)
-        for x in xs:
-            x.grad = None
-    return sorted(totals[1:])[len(totals[1:]) // 2]
+    kernel_times(fn, xs)   # warm-up
+    totals = sorted(sum(ms for _, ms in kernel_times(fn, xs)) for _ in range(runs))
+    return totals[runs // 2]
 
 
 TABLE_HEAD = ("| shape | kernel | fwd ms | fwd+bwd ms | GPU ms (fwd+bwd) | fwd+bwd Mtok/s | fwd+bwd peak MiB "
@@ -118,17 +122,10 @@ def table_rows(shape: str, tokens: int, res: dict, ref_name: str) -> list[str]:
 
 
 def profile(fn, inputs, label):
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    o = fn(*xs)
-    o.backward(torch.ones_like(o))
-    torch.cuda.synchronize()
-    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
-        o = fn(*xs)
-        o.backward(torch.ones_like(o))
-        torch.cuda.synchronize()
+    kernel_times(fn, xs)   # warm-up
+    rows = kernel_times(fn, xs)
     print(f"\n-- {label}: CUDA time per kernel (one fwd+bwd)")
-    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
     for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
         print(f"   {ms:8.3f} ms  {name[:90]}")
     # against the timed fwd+bwd: what is left is the GPU waiting for the host to launch the next kernel

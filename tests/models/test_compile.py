@@ -1,6 +1,7 @@
-"""torch.compile of each block, as training.compile does it: a model compiles a bounded number of variants of its
-block, whatever its depth. An int attribute read in forward (a layer index) is a constant to Dynamo: it recompiled the
-block once per layer, and past the recompile limit (8) the deeper layers silently ran eager."""
+"""torch.compile of each block, as training.compile does it. Every model compiles a bounded number of variants of its
+block whatever its depth (an int attribute read in forward, a layer index, is a constant to Dynamo: it recompiled the
+block once per layer, and past the recompile limit (8) the deeper layers silently ran eager), stops recompiling when
+packed batches change their document count, and compiles under full activation checkpointing."""
 
 from __future__ import annotations
 
