@@ -109,3 +109,43 @@ def test_blocks_compile_under_full_activation_checkpointing(config):
     graphs, eager_loss, compiled_loss = proc.stdout.split()
     assert int(graphs) >= 1, f"{config}: no block was compiled under full activation checkpointing"
     assert float(compiled_loss) == pytest.approx(float(eager_loss), rel=1e-6)
+
+
+CACHED_COMPILE_SCRIPT = r"""
+import torch
+import flame.models.rwkv7 as R
+from flame import parallel
+from flame.config import load_config
+from flame.models import build_model
+
+R.chunk_rwkv7 = torch.compiler.disable(R.chunk_rwkv7)    # the graph break the Triton entry makes on the GPU
+cfg = load_config("configs/rwkv7_tiny.toml", ["--model.num_layers=2"])
+d = parallel.init_distributed(cfg.parallelism)
+torch.manual_seed(0)
+model = build_model(cfg.model)
+model.init_weights()
+model = parallel.parallelize(model, d, param_dtype="float32", reduce_dtype="float32", activation_checkpoint="none",
+                             compile=True)
+ids = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+loss = model(ids, labels=ids)
+loss.backward()
+print(loss.item())
+"""
+
+
+def test_a_second_compiled_run_on_a_warm_cache(tmp_path):
+    # Inductor for real (C++ on CPU), twice on one cache folder, as a user's second launch of a config is. With
+    # AOTAutograd's cache warm, the second run replayed the outputs aliasing a linear's 3-D result with garbage sizes
+    # and failed or segfaulted (first seen on an H100); parallel.parallelize turns that cache off.
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    losses = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", CACHED_COMPILE_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                              env=dict(env(), TORCHINDUCTOR_CACHE_DIR=str(tmp_path)), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses.append(float(proc.stdout.split()[-1]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
