@@ -19,12 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Each variant but "base" and "hsdp" sets both compile and activation checkpointing, whatever the config's defaults.
+NO_AC, AC = "--training.activation_checkpoint=none", "--training.activation_checkpoint=full"
 VARIANTS = {
     "base": [],
-    "compile": ["--training.compile=true"],
-    "nocompile": ["--training.compile=false"],
-    "ac": ["--training.activation_checkpoint=full"],
-    "compile+ac": ["--training.compile=true", "--training.activation_checkpoint=full"],
+    "compile": ["--training.compile=true", NO_AC],
+    "nocompile": ["--training.compile=false", NO_AC],
+    "ac": ["--training.compile=false", AC],
+    "compile+ac": ["--training.compile=true", AC],
     "hsdp": ["--parallelism.dp_replicate=2"],
 }
 
