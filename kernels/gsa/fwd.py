@@ -143,16 +143,25 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     if HAS_H0:
         S = load_state(h0, (i_n * H + i_h).to(tl.int64) * M * D, cm, cd, D, m_m, m_d)
     nt = tl.cdiv(eos - bos, BT)
+    # e^{G_C} only scales the state, so the compiler does not prefetch it: loaded one chunk ahead by hand (otherwise
+    # each step waits for it)
+    if FEED:
+        e_GC_next = tl.load(egc + ((c0 + (nt - 1 if REVERSE else 0)) * H + i_h).to(tl.int64) * M + cm,
+                            mask=m_m & (cm * 0 < nt), other=1.)
     for j in range(nt):
         if REVERSE:
             i_t = nt - 1 - j
+            i_next = i_t - 1
         else:
             i_t = j
+            i_next = i_t + 1
         tok = bos + i_t * BT + rows
         m_t = tok < eos
         if FEED:
             b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
-            e_GC = tl.load(egc + ((c0 + i_t) * H + i_h).to(tl.int64) * M + cm, mask=m_m, other=1.)
+            e_GC = e_GC_next
+            e_GC_next = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
+                                mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
         else:
             b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)   # padded rows: g = w = x = 0
             e_GC = tl.exp(tl.sum(b_g, axis=0))
