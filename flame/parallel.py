@@ -70,6 +70,20 @@ def init_distributed(cfg: ParallelismConfig) -> Dist:
     return Dist(rank=dist.get_rank(), world_size=world_size, device=device, mesh=mesh)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block of `model.layers` (in place), as training.compile does.
+
+    AOTAutograd's on-disk cache is turned off first: once warm it replays the metadata of outputs that alias a
+    graph's intermediates (a linear's 3-D output beside a view of it, live across the kernel's graph break) with
+    garbage sizes, and the second run of a config failed ("shape '[94745291249156, 6174690382483291083, 128]' is
+    invalid") or segfaulted, on torch 2.11 (H100) and 2.13 (CPU). PyTorch's fix (pytorch#185861, the _unsafe_view
+    ViewMeta serialization) is not in them. Inductor's own FX graph cache stays on.
+    """
+    torch._functorch.config.enable_autograd_cache = False
+    for block in model.layers:
+        block.compile()
+
+
 def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
                 compile: bool) -> nn.Module:
     """Compile, checkpoint and shard each block of `model.layers`, then the root.
@@ -82,14 +96,7 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
     averaging over ranks would divide a second time.
     """
     if compile:
-        # AOTAutograd's on-disk cache replays the metadata of outputs that alias a graph's intermediates (a
-        # linear's 3-D output beside a view of it, live across the kernel's graph break) with garbage sizes once
-        # it is warm: the second run of a config failed ("shape '[94745291249156, 6174690382483291083, 128]' is
-        # invalid") or segfaulted, on torch 2.11 (H100) and 2.13 (CPU). PyTorch's fix (pytorch#185861, the
-        # _unsafe_view ViewMeta serialization) is not in them. Inductor's own FX graph cache stays on.
-        torch._functorch.config.enable_autograd_cache = False
-        for block in model.layers:
-            block.compile()
+        compile_blocks(model)
     if activation_checkpoint == "full":
         from torchtitan.distributed.activation_checkpoint import FullAC
 

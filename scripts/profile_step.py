@@ -28,6 +28,7 @@ def main():
 
     from flame.config import load_config
     from flame.models import build_model
+    from flame.parallel import compile_blocks
 
     cfg = load_config(a.config)
     T = a.seq_len or cfg.training.seq_len
@@ -35,8 +36,7 @@ def main():
     model.init_weights()
     model.to(torch.bfloat16)
     if a.compile:
-        for block in model.layers:
-            block.compile()
+        compile_blocks(model)
     ids = torch.randint(0, cfg.model.vocab_size, (a.batch, T), device="cuda")
 
     def step():
