@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Where a sequential scan's step waits (one device call; Firecracker machines have ncu): warp stall reasons and
+# memory throughput of each chunk kernel of one RWKV-7 and one GSA fwd+bwd at B=2 T=16384, where the scans set
+# the time. Carry .whl (or nothing: the kernels need only torch and triton).
+#   SHAPE="2 16384" bash scripts/ncu_scans.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
+read -r B T <<< "${SHAPE:-2 16384}"
+cat > /tmp/one_step.py <<PY
+import torch, sys
+sys.path.insert(0, "$PWD")
+from kernels.rwkv7 import chunk_rwkv7
+from kernels.gsa import chunk_gsa
+import torch.nn.functional as F
+torch.manual_seed(0)
+B, T, dev = $B, $T, "cuda"
+bf = dict(device=dev, dtype=torch.bfloat16)
+r, k, v = (torch.randn(B, T, 16, 64, **bf) for _ in range(3))
+kk = F.normalize(torch.randn(B, T, 16, 64, device=dev), dim=-1)
+w = -torch.rand(B, T, 16, 64, device=dev) * 0.6
+xs = [x.requires_grad_(True) for x in (r, w, k, v, (-kk).to(torch.bfloat16), (kk * 0.5).to(torch.bfloat16))]
+chunk_rwkv7(*xs)[0].sum().backward()
+q, k2, v2 = (torch.randn(B, T, 4, 256, **bf) for _ in range(3))
+g = F.logsigmoid(torch.randn(B, T, 4, 64, device=dev)) / 8
+s = (1 - g.exp()).to(torch.bfloat16)
+ys = [x.requires_grad_(True) for x in (q, k2, v2, s, g)]
+chunk_gsa(*ys)[0].sum().backward()
+torch.cuda.synchronize()
+PY
+python3 /tmp/one_step.py || exit 1   # compile (and autotune) outside the profiler
+timeout ${NCU_TIMEOUT:-400} ncu --clock-control none -k 'regex:_fwd|_bwd|_state_scan|_gate' \
+  --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+  python3 /tmp/one_step.py > /tmp/ncu.txt 2>&1
+grep -E "^  _|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|stall" /tmp/ncu.txt \
+  | cut -c1-160 | head -200
+cp /tmp/ncu.txt "${OUT:-/tmp}/ncu.txt" 2>/dev/null
