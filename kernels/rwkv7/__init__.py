@@ -49,6 +49,23 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
     return SCAN_BV or scan_tile(V, sequences_x_heads)
 
 
+# Blocked scans (fwd.py): for few long sequences the sequential scans leave most of the GPU idle, one program per
+# sequence, head and narrow V tile, each waiting on one chunk step after another (ncu: one instruction per 4.8
+# cycles per warp, one warp per scheduler). The blocked scan does the chunk steps in parallel per block of
+# BLOCK_CHUNKS chunks (three times the work: the block maps M and N, then the fill) and keeps one product per block
+# sequential. None: blocked when the sequence scan would take narrow V tiles (too few programs to fill the GPU).
+BLOCK_SCAN: bool | None = None
+BLOCK_CHUNKS = 4
+# V tile of the blocked scan's per-block programs (maps and fill)
+BLOCK_BV = 64
+
+
+def _blocked(sequences: int, H: int, V: int) -> bool:
+    if BLOCK_SCAN is not None:
+        return BLOCK_SCAN
+    return _scan_bv(V, sequences * H) < min(64, max(16, next_pow2(V)))
+
+
 # The per-chunk kernels' level decays summed over half blocks (True) or differenced against a row gathered by a
 # one-hot product (False); see levels.py. H100, B=8 T=4096: the same 5.70 ms alone, 5.49 against 5.58 with the
 # register cap (the sums hold fewer registers).
@@ -60,8 +77,8 @@ def _chunk_prec() -> str:
     return "ieee" if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK_PREC
 
 
-def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
-    from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
+def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
+    from kernels.rwkv7.fwd import _block_scan, _fwd_prep, _fwd_scan
 
     _, T, H, K = r.shape
     V = v.shape[-1]
@@ -81,16 +98,43 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = _scan_bv(V, N * H)
-    _fwd_scan[(N, H, triton.cdiv(V, BV))](r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
-                                          scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None,
-                                          STORE_HT=want_ht, PREC=PREC, num_warps=SCAN_WARPS)
-    return o, ht, (h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT)
+    scan = dict(H=H, K=K, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, num_warps=SCAN_WARPS)
+    tensors = (r, w, k, v, b, cu, chunk_offsets)
+    per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
+    if blocks is None:
+        _fwd_scan[(N, H, triton.cdiv(V, BV))](*tensors, None, *per_chunk, None, scale, V=V, BV=BV, BLOCKED=False,
+                                              VALUES=True, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht,
+                                              **scan)
+        return o, ht, (h, U, Arb, Ark, Aak, Tinv, None), (chunk_offsets, chunk_index, NT), None
+    block_offsets, block_index, NB = blocks
+    # per block, all at once: the block's map S_end = M S_start + N (M: the identity's columns carried through)
+    Mb = torch.empty(NB, H, K, K, **f32)
+    Nb = torch.empty(NB, H, K, V, **f32)
+    BVb, BKb = min(BLOCK_BV, max(16, next_pow2(V))), min(BLOCK_BV, BK)
+    off = dict(BLOCKED=True, OUT=False, HAS_H0=False, STORE_HT=False)
+    _fwd_scan[(NB, H, triton.cdiv(K, BKb))](*tensors, block_index, *per_chunk, Mb, scale, V=K, BV=BKb,
+                                            VALUES=False, **off, **scan)
+    _fwd_scan[(NB, H, triton.cdiv(V, BVb))](*tensors, block_index, *per_chunk, Nb, scale, V=V, BV=BVb,
+                                            VALUES=True, **off, **scan)
+    # in order, one product per block: the state entering every block (and the final state)
+    hb = torch.empty(NB, H, K, V, **f32)
+    _block_scan[(N, H, triton.cdiv(V, BV))](cu, block_offsets, Mb, Nb, h0, hb, ht, H=H, K=K, V=V,
+                                            BL=BT * BLOCK_CHUNKS, BK=BK, BV=BV, REVERSE=False,
+                                            HAS_S0=h0 is not None, STORE_END=want_ht, PREC=PREC,
+                                            num_warps=SCAN_WARPS)
+    # per block again: the chunk states, U and the output from the block's entering state
+    _fwd_scan[(NB, H, triton.cdiv(V, BVb))](*tensors, block_index, *per_chunk, hb, scale, V=V, BV=BVb,
+                                            BLOCKED=True, VALUES=True, OUT=True, HAS_H0=False, STORE_HT=False,
+                                            **scan)
+    return o, ht, (h, U, Arb, Ark, Aak, Tinv, Mb), (chunk_offsets, chunk_index, NT), blocks
 
 
-def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
+def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht):
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
+    from kernels.rwkv7.fwd import _block_scan
 
-    h, U, Arb, Ark, Aak, Tinv, chunk_offsets, chunk_index, NT = saved
+    h, U, Arb, Ark, Aak, Tinv, Mb = saved
+    chunk_offsets, chunk_index, NT = tables
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = CHUNK, max(16, next_pow2(K))
@@ -100,9 +144,27 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = _scan_bv(V, N * H)
-    _bwd_scan[(N, H, triton.cdiv(V, BV))](r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale,
-                                          H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None,
-                                          STORE_DH0=h0 is not None, PREC=PREC, num_warps=SCAN_WARPS)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, num_warps=SCAN_WARPS)
+    tensors = (r, w, a, b, do, cu, chunk_offsets)
+    if blocks is None:
+        _bwd_scan[(N, H, triton.cdiv(V, BV))](*tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, BV=BV,
+                                              BLOCKED=False, OUT=True, HAS_DHT=dht is not None,
+                                              STORE_DH0=h0 is not None, **scan)
+    else:
+        block_offsets, block_index, NB = blocks
+        BVb = min(BLOCK_BV, max(16, next_pow2(V)))
+        grid = (NB, H, triton.cdiv(V, BVb))
+        # per block: R in dS_start = M^T dS_end + R; in reverse order: dS at every block's end; per block: the rest
+        Rb = torch.empty(NB, H, K, V, **f32)
+        _bwd_scan[grid](*tensors, block_index, Arb, Tinv, None, dh, dZ, None, Rb, scale, BV=BVb, BLOCKED=True,
+                        OUT=False, HAS_DHT=False, STORE_DH0=False, **scan)
+        dhb = torch.empty(NB, H, K, V, **f32)
+        _block_scan[(N, H, triton.cdiv(V, BV))](cu, block_offsets, Mb, Rb, dht, dhb, dh0, H=H, K=K, V=V,
+                                                BL=BT * BLOCK_CHUNKS, BK=BK, BV=BV, REVERSE=True,
+                                                HAS_S0=dht is not None, STORE_END=h0 is not None, PREC=PREC,
+                                                num_warps=SCAN_WARPS)
+        _bwd_scan[grid](*tensors, block_index, Arb, Tinv, None, dh, dZ, None, dhb, scale, BV=BVb, BLOCKED=True,
+                        OUT=True, HAS_DHT=False, STORE_DH0=False, **scan)
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)
@@ -116,19 +178,18 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, do, dht):
 
 class _ChunkRWKV7(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu, tables):
-        o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables)
-        ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved[:-3])
-        ctx.tables = saved[-3:]
+    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
+        o, ht, saved, ctx.tables, ctx.blocks = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks)
+        ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved)
         ctx.scale = scale
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
-        dr, dw, dk, dv, da, db, dh0 = _bwd(r, w, k, v, a, b, ctx.scale, h0, cu, (*saved, *ctx.tables),
+        dr, dw, dk, dv, da, db, dh0 = _bwd(r, w, k, v, a, b, ctx.scale, h0, cu, saved, ctx.tables, ctx.blocks,
                                            do.contiguous(), None if dht is None else dht.contiguous())
-        return dr, dw, dk, dv, da, db, None, dh0, None, None, None
+        return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
 
 
 # Opaque to torch.compile: the model's blocks compile around this call (a graph break here, as the GPU timings in
@@ -145,8 +206,11 @@ def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_sta
     r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    tables = chunk_tables(cu, CHUNK, B * T, T if cu_seqlens is None else None)
-    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu, tables)
+    seq_len = T if cu_seqlens is None else None
+    tables = chunk_tables(cu, CHUNK, B * T, seq_len)
+    blocks = chunk_tables(cu, CHUNK * BLOCK_CHUNKS, B * T, seq_len) if _blocked(cu.numel() - 1, H, V) else None
+    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu, tables,
+                              blocks)
     return o.reshape(B, T, H, V), ht
 
 

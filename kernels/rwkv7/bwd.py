@@ -11,20 +11,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_program, decay_on, diag_of, load_rows, store_rows
+from kernels.rwkv7.fwd import chunk_program, decay_on, diag_of, load_rows, scan_span, store_rows
 from kernels.rwkv7.levels import level_split_t, level_sums_t
 from kernels.tl_utils import load_cols, mm, spare_chunk, store_cols
 
 
 @triton.jit
-def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
+def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+              BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
+              HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    """The state-gradient recursion over chunks, last to first, in one of three roles (as the forward's):
+      sequence   (BLOCKED=False, OUT): from dht through all chunks, storing dS at each chunk's end as dh and dZ;
+                 dS at t = 0 to dh0.
+      block fill (BLOCKED, OUT): the same over one block of L chunks, from dS at its end, dSb[block].
+      block map  (BLOCKED, not OUT): from zero over the block, storing its dS at the block's start to dSb[block]
+                 (R in dS_start = M^T dS_end + R; M is the forward's block map)."""
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu + i_n)
-    eos = tl.load(cu + i_n + 1)
-    c0 = tl.load(chunk_offsets + i_n)
+    i_n, bos, eos, first, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
+    if BLOCKED:
+        if count <= 0:   # a spare block of a packed batch
+            return
+    i_h, i_v = tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BT)
     cb = tl.arange(0, BT)
     ck = tl.arange(0, BK)
@@ -34,12 +42,15 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
     m_kv = m_k[:, None] & m_v[None, :]
     # the [K, V] offsets of a state tile: K rows always, whatever V and BV are
     s_off = ck[:, None] * V + cv[None, :]
+    block_base = (tl.program_id(0) * H + i_h).to(tl.int64) * K * V
     dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
+    if BLOCKED:
+        if OUT:
+            dS = tl.load(dSb + block_base + s_off, mask=m_kv, other=0.)
+    elif HAS_DHT:
         dS = tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
-    nt = tl.cdiv(eos - bos, BT)
-    for j in range(nt):
-        i_t = nt - 1 - j
+    for j in range(count):
+        i_t = first + count - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
         wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
@@ -51,13 +62,18 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
         doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
-        tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
+        if OUT:
+            tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
         dUT = scale * mm(doT, A_rb, PREC) + mm(tl.trans(dS), b_endT, PREC)
         dZT = mm(dUT, T, PREC)
-        store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
+        if OUT:
+            store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
         dS = tl.exp(gC)[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
             + mm(a_decT, tl.trans(dZT), PREC)
-    if STORE_DH0:
+    if BLOCKED:
+        if not OUT:
+            tl.store(dSb + block_base + s_off, dS, mask=m_kv)
+    elif STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
 
 

@@ -1,9 +1,14 @@
 """Triton forward of chunked RWKV-7 (math and notation in README.md).
 
-Two launches:
+Launches:
   _fwd_prep  (one program per chunk and head, all chunks at once): cumulative log decays, the pairwise chunk
-             matrices (by halving, one product per level) A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the state-independent W = T a~, Uv = T A_ak v;
+             matrices (by halving, one product per level) A_rb, A_rk, A_ak, T = (I - A_ab)^{-1}, and the
+             state-independent W = T a~, Uv = T A_ak v;
   _fwd_scan  (one program per sequence, head and V tile, chunks in order): U = W S + Uv, the output, the next state.
+or, for few long sequences (blocked scan: the sequential part one product per block of L chunks):
+  _fwd_scan  as the block maps (per block, all at once): S_end = M S_start + N over the block's chunks;
+  _block_scan (per sequence, head, V tile): the state entering every block, S <- M S + N;
+  _fwd_scan  as the fill (per block): the sequence scan over the block's chunks from its entering state.
 Every exp() argument is <= 0 by construction: masked entries are replaced by 0 before the exp and the result by 0
 after.
 Inputs are packed sequences [1, T_total, H, *]; states and everything the backward reuses are fp32.
@@ -90,14 +95,42 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
 
 
 @triton.jit
-def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
-              scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
-    # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def scan_span(cu, chunk_offsets, block_index, BT: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr):
+    """What one scan program walks: (sequence, its first token, its end, first chunk, number of chunks, the
+    sequence's first global chunk). A whole sequence (program axis 0 = sequence), or with BLOCKED one block of L
+    chunks of it (axis 0 = global block; a spare block of a packed batch gets no chunks)."""
+    if BLOCKED:
+        i_n = tl.load(block_index + 2 * tl.program_id(0))
+        first = tl.load(block_index + 2 * tl.program_id(0) + 1) * L
+    else:
+        i_n = tl.program_id(0)
+        first = 0
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
-    c0 = tl.load(chunk_offsets + i_n)
+    count = tl.cdiv(eos - bos, BT) - first
+    if BLOCKED:
+        count = tl.minimum(count, L)
+    return i_n, bos, eos, first, count, tl.load(chunk_offsets + i_n)
+
+
+@triton.jit
+def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0, o, h, U, ht, Sb,
+              scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, VALUES: tl.constexpr, OUT: tl.constexpr,
+              HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    """The state recursion over chunks in order, in one of four roles:
+      sequence   (BLOCKED=False, OUT): from h0 through all chunks of a sequence, storing each chunk's entering
+                 state h, U and the output; the final state to ht.
+      block fill (BLOCKED, OUT): the same over one block of L chunks, from its entering state Sb[block].
+      block map  (BLOCKED, not OUT): the block's affine map S_end = M S_start + N, stored to Sb[block]: N is the
+                 state reached from zero (VALUES), M the states reached from the identity's columns without the
+                 value terms (VALUES=False, launched with V = K, so M is a [K, K] "state")."""
+    # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
+    i_n, bos, eos, first, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
+    if BLOCKED:
+        if count <= 0:   # a spare block of a packed batch
+            return
+    i_h, i_v = tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BT)
     cb = tl.arange(0, BT)
     ck = tl.arange(0, BK)
@@ -107,32 +140,80 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht
     m_kv = m_k[:, None] & m_v[None, :]
     # state tile S [BK, BV], fp32 throughout
     s_off = ck[:, None] * V + cv[None, :]
+    block_base = (tl.program_id(0) * H + i_h).to(tl.int64) * K * V
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
+    if BLOCKED:
+        if OUT:
+            S = tl.load(Sb + block_base + s_off, mask=m_kv, other=0.)
+        elif not VALUES:
+            S = tl.where(ck[:, None] == cv[None, :], 1., 0.)
+    elif HAS_H0:
         S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
-    for i_t in range(tl.cdiv(eos - bos, BT)):
+    for i in range(count):
+        i_t = first + i
         tok = bos + i_t * BT + rows
         m_t = tok < eos
         wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
         to_endT = tl.exp(gC[:, None] - gT)
-        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
         b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
-        UvT = load_cols(Uv, tok, i_h, H, V, cv, m_t, m_v)
-        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
-        A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
-        A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
-        tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
         St = tl.trans(S)
-        UT = mm(St, WT, PREC) + UvT
-        store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
-        oT = mm(St, r_decT, PREC) + mm(UT, tl.trans(A_rb), PREC) \
-            + mm(vT, tl.trans(A_rk), PREC)
-        store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
-        S = tl.exp(gC)[:, None] * S + mm(b_endT, tl.trans(UT), PREC) \
-            + mm(k_endT, tl.trans(vT), PREC)
-    if STORE_HT:
+        UT = mm(St, WT, PREC)
+        S_next = tl.exp(gC)[:, None] * S
+        if VALUES:
+            UT += load_cols(Uv, tok, i_h, H, V, cv, m_t, m_v)
+            vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
+            k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+            S_next += mm(k_endT, tl.trans(vT), PREC)
+        if OUT:
+            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+            A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
+            A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
+            tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+            store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
+            oT = mm(St, r_decT, PREC) + mm(UT, tl.trans(A_rb), PREC) \
+                + mm(vT, tl.trans(A_rk), PREC)
+            store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
+        S = S_next + mm(b_endT, tl.trans(UT), PREC)
+    if BLOCKED:
+        if not OUT:
+            tl.store(Sb + block_base + s_off, S, mask=m_kv)
+    elif STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+
+
+@triton.jit
+def _block_scan(cu, block_offsets, Mb, Nb, s0, Sb, s_end, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                HAS_S0: tl.constexpr, STORE_END: tl.constexpr, PREC: tl.constexpr):
+    """The sequential part of a blocked scan: per sequence, head and V tile, S <- M_j S + N_j over the blocks of
+    BL tokens (one product per block), storing the state entering each block in Sb. REVERSE runs the backward's
+    recursion dS <- M_j^T dS + R_j from the last block to the first (Sb: the gradient at each block's end)."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n)
+    eos = tl.load(cu + i_n + 1)
+    b0 = tl.load(block_offsets + i_n)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cv = i_v * BV + tl.arange(0, BV)
+    m_kv = m_k[:, None] & (cv < V)[None, :]
+    s_off = ck[:, None] * V + cv[None, :]
+    m_kk = m_k[:, None] & m_k[None, :]
+    if REVERSE:   # M^T: element [i, j] is M[j, i]
+        m_off = ck[:, None] + ck[None, :] * K
+    else:
+        m_off = ck[:, None] * K + ck[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
+    nb = tl.cdiv(eos - bos, BL)
+    for j in range(nb):
+        i_b = nb - 1 - j if REVERSE else j
+        base = ((b0 + i_b) * H + i_h).to(tl.int64)
+        tl.store(Sb + base * K * V + s_off, S, mask=m_kv)
+        M = tl.load(Mb + base * K * K + m_off, mask=m_kk, other=0.)
+        S = mm(M, S, PREC) + tl.load(Nb + base * K * V + s_off, mask=m_kv, other=0.)
+    if STORE_END:
+        tl.store(s_end + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)

@@ -22,8 +22,8 @@ def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int 
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in consts else (types or {}).get(n, "*bf16") for n in fn.arg_names}
-    sig.update({n: tp for n, tp in {"cu": "*i32", "chunk_offsets": "*i32", "chunk_index": "*i32",
-                                     "scale": "fp32"}.items() if n in sig})
+    ints = ("cu", "chunk_offsets", "chunk_index", "block_offsets", "block_index")
+    sig.update({n: tp for n, tp in dict({n: "*i32" for n in ints}, scale="fp32").items() if n in sig})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     options = dict(num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32), options=options)

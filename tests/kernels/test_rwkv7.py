@@ -161,6 +161,28 @@ def test_triton_interpreter_initial_state_block_sizes(K, V, bv, monkeypatch, int
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V} BV={bv}")
 
 
+@pytest.mark.parametrize("K,V,decay,T,lens", [
+    (32, 32, "stress", 200, None), (32, 128, "wide", 100, None), (128, 32, "model", 70, None),
+    (32, 64, "wide", None, [1, 17, 80, 64, 9, 130])])
+@pytest.mark.parametrize("scan", ["sequence", "blocked", "blocked of 2"])
+def test_triton_interpreter_sequence_and_blocked_scans(scan, K, V, decay, T, lens, monkeypatch, interp):
+    # The same results whether the scans walk every chunk of a sequence in order or run blocked (per-block maps,
+    # one product per block in order, then the per-block fill): T not a multiple of a block, a short last block,
+    # packed sequences shorter than a chunk or a block (spare block programs), K != V both ways (two M tiles).
+    import kernels.rwkv7 as mod
+    monkeypatch.setattr(mod, "BLOCK_SCAN", scan != "sequence")
+    monkeypatch.setattr(mod, "BLOCK_CHUNKS", 2 if scan == "blocked of 2" else 4)
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
+    T = T or sum(lens)
+    xs, h0 = make_inputs(1, T, 2, K, V, decay=decay, n_seq=1 if lens is None else len(lens), seed=K + T)
+    assert_close(run(interp, xs, h0, 0.7, cu), naive(xs, h0, 0.7, cu), CPU_TOL, f"{scan} K={K} V={V} lens={lens}")
+
+
+def test_blocked_scans_are_chosen_for_few_sequences():
+    import kernels.rwkv7 as mod
+    assert mod._blocked(2, 16, 64) and not mod._blocked(8, 16, 64)   # the benchmark's B=2 T=16384 and B=8 T=4096
+
+
 def test_triton_interpreter_stress_decays(interp):
     xs, h0 = make_inputs(1, 200, 1, 32, 32, decay="stress", seed=6)
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
@@ -188,14 +210,15 @@ def test_triton_kernel_under_torch_compile(interp):
     assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
-@pytest.mark.parametrize("sums", [False, True])
-def test_triton_interpreter_varlen_computes_no_invalid_value(sums, monkeypatch, interp):
+@pytest.mark.parametrize("sums,blocked", [(False, False), (True, False), (True, True)])
+def test_triton_interpreter_varlen_computes_no_invalid_value(sums, blocked, monkeypatch, interp):
     # A packed batch launches an upper bound of chunks (kernels.utils.chunk_tables); the spare programs return at
     # once instead of computing on unwritten state memory: no overflow or NaN anywhere, masked or not.
     import numpy as np
 
     import kernels.rwkv7 as mod
     monkeypatch.setattr(mod, "LEVEL_SUMS", sums)
+    monkeypatch.setattr(mod, "BLOCK_SCAN", blocked)
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
     xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, n_seq=len(lens), seed=11)
@@ -213,21 +236,39 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
     instructions with what="resources" (scripts/kernel_resources.py prints those)."""
     import kernels.rwkv7 as m
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
-    from kernels.rwkv7.fwd import _fwd_prep, _fwd_scan
+    from kernels.rwkv7.fwd import _block_scan, _fwd_prep, _fwd_scan
 
     why = sm90.unavailable()
     if why:
         return {"unavailable": why}
     BT, BK, BV, SBV = m.CHUNK, max(16, K), min(m.CHUNK_BV, max(16, V)), m._scan_bv(V, 128)  # the widest scan tile
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
-                                "dZ", "dh0", "dw")}
+                                "dZ", "dh0", "dw", "Sb", "dSb", "Mb", "Nb", "s0", "s_end")}
     chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC, V=V, BV=BV, LEVELS=BT.bit_length() - 1)
-    scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC)
+    scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC, L=m.BLOCK_CHUNKS)
+    # the blocked scan's per-block roles (wide tiles: one program per block, head and tile), and its sequential part
+    # at the narrowest tile it takes
+    fwd_seq = dict(scan, BLOCKED=False, VALUES=True, OUT=True, HAS_H0=True, STORE_HT=True)
+    BBV = min(m.BLOCK_BV, max(16, V))
+    fwd_block = dict(fwd_seq, BLOCKED=True, BV=BBV, HAS_H0=False, STORE_HT=False)
+    bwd_seq = dict(scan, BLOCKED=False, OUT=True, HAS_DHT=True, STORE_DH0=True)
+    bwd_block = dict(bwd_seq, BLOCKED=True, BV=BBV, HAS_DHT=False, STORE_DH0=False)
+    block_scan = dict(H=16, K=K, V=V, BL=BT * m.BLOCK_CHUNKS, BK=BK, BV=16, PREC=m.PREC, HAS_S0=True,
+                      STORE_END=True)
     other = f"LEVEL_SUMS={not m.LEVEL_SUMS}"
+    sw = m.SCAN_WARPS
     kernels = {
         "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, SUMS=m.LEVEL_SUMS), m.PREP_WARPS, f32, m.PREP_MAXNREG),
-        "_fwd_scan": sm90.build(_fwd_scan, dict(scan, HAS_H0=True, STORE_HT=True), m.SCAN_WARPS, f32),
-        "_bwd_scan": sm90.build(_bwd_scan, dict(scan, HAS_DHT=True, STORE_DH0=True), m.SCAN_WARPS, f32),
+        "_fwd_scan": sm90.build(_fwd_scan, fwd_seq, sw, f32),
+        "_fwd_scan (block map M)": sm90.build(
+            _fwd_scan, dict(fwd_block, V=K, BV=min(m.BLOCK_BV, BK), VALUES=False, OUT=False), sw, f32),
+        "_fwd_scan (block map N)": sm90.build(_fwd_scan, dict(fwd_block, OUT=False), sw, f32),
+        "_fwd_scan (block fill)": sm90.build(_fwd_scan, fwd_block, sw, f32),
+        "_block_scan": sm90.build(_block_scan, dict(block_scan, REVERSE=False), sw, f32),
+        "_block_scan (reverse)": sm90.build(_block_scan, dict(block_scan, REVERSE=True), sw, f32),
+        "_bwd_scan": sm90.build(_bwd_scan, bwd_seq, sw, f32),
+        "_bwd_scan (block map R)": sm90.build(_bwd_scan, dict(bwd_block, OUT=False), sw, f32),
+        "_bwd_scan (block fill)": sm90.build(_bwd_scan, bwd_block, sw, f32),
         "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, SUMS=m.LEVEL_SUMS), m.BWD_WARPS, f32),
         f"_fwd_prep ({other})": sm90.build(_fwd_prep, dict(chunk, SUMS=not m.LEVEL_SUMS), m.PREP_WARPS, f32,
                                            m.PREP_MAXNREG),
@@ -245,16 +286,19 @@ def test_kernel_resources_script_reports_every_kernel():
                           cwd=sm90.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
-    assert len(rows) == 6 + 9, proc.stdout
+    assert len(rows) == RWKV7_KERNELS + 9, proc.stdout
     for name, regs, stack, shared, instructions, loop in rows:
         assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= sm90.H100_SMEM, name
         # the scans are loops over chunks; their body is part of the kernel
         assert 0 < int(loop) < int(instructions) if "scan" in name else 0 <= int(loop) < int(instructions), name
 
 
+RWKV7_KERNELS = 13   # compile_for_sm90's builds
+
+
 @pytest.mark.parametrize("K,V", [(128, 128), (32, 128)])   # the largest tiles, and K != V
 def test_triton_kernels_compile_for_h100(K, V):
-    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", 6)
+    sm90.assert_fits_h100("tests.kernels.test_rwkv7", f"compile_for_sm90({K}, {V})", RWKV7_KERNELS)
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
@@ -324,7 +368,8 @@ def test_gpu_matches_cpu_torch_path():
 
 # The other settings the sweep times, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
 # sequences with K != V.
-VARIANTS = [dict(LEVEL_SUMS=False), dict(PREP_MAXNREG=None), dict(PREP_MAXNREG=128)]
+VARIANTS = [dict(LEVEL_SUMS=False), dict(PREP_MAXNREG=None), dict(PREP_MAXNREG=128), dict(BLOCK_SCAN=False),
+            dict(BLOCK_SCAN=True, BLOCK_CHUNKS=8)]
 
 
 @gpu
