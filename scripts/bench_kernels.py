@@ -134,9 +134,9 @@ def profile(fn, inputs, label):
 
 # Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
 # one per process: an illegal memory access poisons the CUDA context for the settings after it).
-SWEEP = [dict(BLOCK_SCAN=True), dict(BLOCK_SCAN=False), dict(BLOCK_CHUNKS=8), dict(BLOCK_CHUNKS=2), dict(BLOCK_BV=32),
-         dict(SCAN_WARPS=8), dict(PREP_MAXNREG=128), dict(PREP_MAXNREG=None), dict(LEVEL_SUMS=False), dict(CHUNK_PREC="bf16"),
-         dict(SCAN_BV=32), dict(BWD_WARPS=8)]
+SWEEP = [dict(BLOCK_CHUNKS=16), dict(BLOCK_CHUNKS=32), dict(BLOCK_CHUNKS=64), dict(BLOCK_BV=32),
+         dict(BLOCK_SCAN=True), dict(BLOCK_SCAN=False), dict(SCAN_WARPS=8), dict(PREP_MAXNREG=128),
+         dict(PREP_MAXNREG=None), dict(LEVEL_SUMS=False), dict(CHUNK_PREC="bf16"), dict(SCAN_BV=32), dict(BWD_WARPS=8)]
 
 
 def grads(fn, inputs):
@@ -173,7 +173,7 @@ def main():
     p.add_argument("--sweep", nargs="?", type=int, const=len(SWEEP), default=0, metavar="N",
                    help="also time the first N (default: all) alternatives in SWEEP")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--shapes", default="all", choices=["all", "first"])
+    p.add_argument("--shapes", default="all", choices=["all", "first", "last"])
     p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
     p.add_argument("--set", action="append", default=[], metavar="rwkv7.NAME=VALUE",
                    help="a kernel setting instead of its default (kernels/settings.py), e.g. rwkv7.PREP_MAXNREG=128")
@@ -187,7 +187,7 @@ def main():
     if fla is None:
         print(f"note: FLA rows skipped ({why})")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
+    shapes = {"all": SHAPES, "first": SHAPES[:1], "last": SHAPES[-1:]}[args.shapes]
     rows = []
     for B, T, H, D in shapes:
         inputs = make(B, T, H, D)

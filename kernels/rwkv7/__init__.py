@@ -54,8 +54,11 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
 # cycles per warp, one warp per scheduler). The blocked scan does the chunk steps in parallel per block of
 # BLOCK_CHUNKS chunks (three times the work: the block maps M and N, then the fill) and keeps one product per block
 # sequential. None: blocked when the sequence scan would take narrow V tiles (too few programs to fill the GPU).
+# H100, B=2 T=16384 fwd+bwd: 9.33 ms unblocked; blocks of 4, 8, 16, 32, 64 chunks: 7.03, 6.66, 6.48, 6.37, 6.37
+# (one run); 6.18, 5.99, 5.88, 5.87 for 8 to 64 in a later run. B=8 T=4096 (sequence scans by default): blocked 6.56
+# against 5.72.
 BLOCK_SCAN: bool | None = None
-BLOCK_CHUNKS = 4
+BLOCK_CHUNKS = 32
 # V tile of the blocked scan's per-block programs (maps and fill)
 BLOCK_BV = 64
 
@@ -66,9 +69,9 @@ def _blocked(sequences: int, H: int, V: int) -> bool:
     return _scan_bv(V, sequences * H) < min(64, max(16, next_pow2(V)))
 
 
-# The per-chunk kernels' level decays summed over half blocks (True) or differenced against a row gathered by a
-# one-hot product (False); see levels.py. H100, B=8 T=4096: the same 5.70 ms alone, 5.49 against 5.58 with the
-# register cap (the sums hold fewer registers).
+# _fwd_prep's level decays summed over half blocks (True) or differenced against a row gathered by a one-hot product
+# (False); see levels.py. H100, B=8 T=4096: the same 5.70 ms alone, 5.49 against 5.58 with the register cap (the sums
+# hold fewer registers). _bwd_chunk always sums (the gathered form measured the same there: 3.06 against 3.04 ms).
 LEVEL_SUMS = True
 
 
@@ -168,11 +171,10 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht):
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
     dw = torch.empty_like(w)
     dv = torch.empty_like(v)
-    chunk = dict(H=H, K=K, BT=BT, BK=BK, PREC=_chunk_prec())
-    levels = dict(LEVELS=BT.bit_length() - 1, SUMS=LEVEL_SUMS)
     BV = min(CHUNK_BV, max(16, next_pow2(V)))
     _bwd_chunk[(NT, H)](r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-                        dr, dw, dk, dv, da, db, scale, V=V, BV=BV, num_warps=BWD_WARPS, **chunk, **levels)
+                        dr, dw, dk, dv, da, db, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), num_warps=BWD_WARPS)
     return dr, dw, dk, dv, da, db, dh0
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_program, decay_on, diag_of, load_rows, scan_span, store_rows
-from kernels.rwkv7.levels import level_split_t, level_sums_t
-from kernels.tl_utils import load_cols, mm, spare_chunk, store_cols
+from kernels.rwkv7.fwd import chunk_program, decay_on, load_rows, scan_span
+from kernels.rwkv7.levels import level_sums_t, pair_mask
+from kernels.tl_utils import chunk_bounds, load_cols, mm, spare_chunk, store_cols
 
 
 @triton.jit
@@ -78,20 +78,64 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh
 
 
 @triton.jit
-def v_tile_grads(v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A_rk, A_ak, scale,
-                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, PREC: tl.constexpr):
-    """The per-chunk backward's loop over V tiles: stores dv and returns the gradients of the chunk's linear pieces
-    (feature-major [BK, BT]: r^, a^, b^, k^), of the chunk-end decay (raw) and of the pairwise matrices."""
-    d_rdecT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_adecT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_bendT = tl.zeros([BK, BT], dtype=tl.float32)
-    d_kendT = tl.zeros([BK, BT], dtype=tl.float32)
+def load_pair_cols(p_lo, p_hi, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t2, m_f):
+    """[BD, 2 BT] feature-major: columns c < BT are token c of p_lo, the others token c - BT of p_hi."""
+    x_lo = load_cols(p_lo, tok2, i_h, H, D, feats, m_t2 & lo, m_f)
+    x_hi = load_cols(p_hi, tok2, i_h, H, D, feats, m_t2 & ~lo, m_f)
+    return tl.where(lo[None, :], x_lo, x_hi)
+
+
+@triton.jit
+def store_pair_cols(p_lo, p_hi, x, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t2, m_f):
+    store_cols(p_lo, x, tok2, i_h, H, D, feats, m_t2 & lo, m_f)
+    store_cols(p_hi, x, tok2, i_h, H, D, feats, m_t2 & ~lo, m_f)
+
+
+@triton.jit
+def fold_pairs(x, BK: tl.constexpr, BT: tl.constexpr):
+    """[BK, 2 BT] -> [BK, BT]: the two halves of a paired tile added."""
+    return tl.sum(tl.reshape(x, [BK, 2, BT]), axis=1)
+
+
+@triton.jit
+def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
+    """[BK, BT] twice -> [BK, 2 BT]: x's columns, then y's."""
+    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), [BK, 2 * BT])
+
+
+@triton.jit
+def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+               dr, dw, dk, dv, da, db, scale,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    """Token tiles are feature-major and paired: [BK or BV, 2 BT], the chunk's tokens twice along the columns, the
+    first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
+    [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
+    product then does the work of four (every level pushes dA back with two products instead of eight): the kernel
+    is bound by the latency of its many small products, not by their arithmetic."""
+    if spare_chunk(cu, chunk_index, BT):
+        return
+    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    c2 = tl.arange(0, 2 * BT)
+    t2 = c2 % BT            # the token of each paired column (and row of dA)
+    lo = c2 < BT            # first of the pair: r, b, do, U (rows of dA: r; columns: b)
+    tok2 = t0 + t2
+    m_t2 = tok2 < eos
+
+    # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads.
+    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+    gC = tl.sum(wT, axis=1)
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
+    # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)
+    Ak2 = tl.where(lo[:, None], scale, 1.) * (
+        load_rows(Ark, tok2, i_h, H, BT, rows, m_t2 & lo, rows < BT)
+        + load_rows(Aak, tok2, i_h, H, BT, rows, m_t2 & ~lo, rows < BT))
+
+    d_x = tl.zeros([BK, 2 * BT], dtype=tl.float32)     # [S0 do | S0 dZ]
+    d_y = tl.zeros([BK, 2 * BT], dtype=tl.float32)     # [dS_C U | dS_C v]
+    dA = tl.zeros([2 * BT, 2 * BT], dtype=tl.float32)
     d_gC = tl.zeros([BK], dtype=tl.float32)
-    dA_rb = tl.zeros([BT, BT], dtype=tl.float32)
-    dA_rk = tl.zeros([BT, BT], dtype=tl.float32)
-    dA_ab = tl.zeros([BT, BT], dtype=tl.float32)
-    dA_ak = tl.zeros([BT, BT], dtype=tl.float32)
     h_base = (i_c * H + i_h).to(tl.int64) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
@@ -100,107 +144,48 @@ def v_tile_grads(v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A
         m_kv = m_k[:, None] & m_v[None, :]
         S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.)
         dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
-        UT = load_cols(U, tok, i_h, H, V, cv, m_t, m_v)
-        dZT = load_cols(dZ, tok, i_h, H, V, cv, m_t, m_v)
-        doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
-        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
-        d_rdecT += mm(S0, doT, PREC)
-        d_adecT += mm(S0, dZT, PREC)
-        d_bendT += mm(dSC, UT, PREC)
-        d_kendT += mm(dSC, vT, PREC)
+        X2 = load_pair_cols(do, dZ, tok2, lo, i_h, H, V, cv, m_t2, m_v)   # [BV, 2 BT]
+        Y2 = load_pair_cols(U, v, tok2, lo, i_h, H, V, cv, m_t2, m_v)
+        d_x += mm(S0, X2, PREC)
+        d_y += mm(dSC, Y2, PREC)
         d_gC += tl.sum(S0 * dSC, axis=1)
-        dA_rb += mm(tl.trans(doT), UT, PREC)
-        dA_rk += mm(tl.trans(doT), vT, PREC)
-        dA_ab += mm(tl.trans(dZT), UT, PREC)
-        dA_ak += mm(tl.trans(dZT), vT, PREC)
-        dvT = scale * mm(doT, A_rk, PREC) + mm(dZT, A_ak, PREC) \
-            + mm(tl.trans(dSC), k_endT, PREC)
+        dA += mm(tl.trans(X2), Y2, PREC)
+        dvT = mm(X2, Ak2, PREC) + mm(tl.trans(dSC), k_endT, PREC)
         store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
-    return d_rdecT, d_adecT, d_bendT, d_kendT, d_gC, dA_rb, dA_rk, dA_ab, dA_ak
 
-
-@triton.jit
-def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-               dr, dw, dk, dv, da, db, scale,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-               SUMS: tl.constexpr):
-    # Token tiles are held feature-major ([BK or BV, BT], suffix T), so the large products have M = 64.
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
-    cb = rows   # token offsets along the columns of [BT, BT] tiles
-    # Only k^ = k e^{gC - g} is needed inside the V loop; the other token tiles are loaded after it, so that they
-    # do not hold registers through the loop's products.
-    gC = tl.sum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1)
-    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) \
-        * tl.exp(gC[:, None] - tl.cumsum(load_cols(w, tok, i_h, H, K, ck, m_t, m_k), axis=1))
-    A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
-    A_ak = load_rows(Aak, tok, i_h, H, BT, cb, m_t, cb < BT)
-
-    d_rdecT, d_adecT, d_bendT, d_kendT, d_gC, dA_rb, dA_rk, dA_ab, dA_ak = v_tile_grads(
-        v, do, h, dh, U, dZ, dv, tok, i_c, i_h, m_t, ck, m_k, k_endT, A_rk, A_ak, scale, H, K, V, BT, BK, BV, PREC)
-    incl = rows[:, None] >= cb[None, :]
-    strict = rows[:, None] > cb[None, :]
-    dA_rb = tl.where(incl, dA_rb * scale, 0.)
-    dA_rk = tl.where(incl, dA_rk * scale, 0.)
-    dA_ab = tl.where(strict, dA_ab, 0.)
-    dA_ak = tl.where(strict, dA_ak, 0.)
-    rT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k)
-    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-    kT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k)
-    aT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k)
-    bT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k)
+    # The r rows of dA carry the output's scale; pairs run t > s (levels) and t = s for r rows only (diagonal).
+    dA = tl.where(lo[:, None], scale * dA, dA)
+    X = load_pair_cols(r, a, tok2, lo, i_h, H, K, ck, m_t2, m_k)    # [r | a]
+    Y = load_pair_cols(b, k, tok2, lo, i_h, H, K, ck, m_t2, m_k)    # [b | k]
     gT = tl.cumsum(wT, axis=1)
-    geT = gT - wT
+    # x rows read g (r, inclusive) or ge (a, exclusive); y columns and the chunk end read -g
     to_endT = tl.exp(gC[:, None] - gT)
-
-    # Everything but the pairwise terms first, so these accumulators die before the level loop.
-    # The chunk end reads +gC: its gradient goes on the last row (the reverse cumsum hands it to every row).
-    d_bendT *= to_endT
-    d_kendT *= to_endT
-    d_gC = d_gC * tl.exp(gC) + tl.sum(bT * d_bendT + kT * d_kendT, axis=1)
-    d_rb = diag_of(dA_rb, rows, cb)[None, :]
-    d_rk = diag_of(dA_rk, rows, cb)[None, :]
-    drT = d_rb * bT + d_rk * kT + scale * d_rdecT * tl.exp(gT)
-    daT = d_adecT * tl.exp(geT)
-    dbT = d_rb * rT + d_bendT
-    dkT = d_rk * rT + d_kendT
-
+    d_y *= pair_cols(to_endT, to_endT, BK, BT)
+    d_gC = d_gC * tl.exp(gC) + tl.sum(Y * d_y, axis=1)
+    d_x *= pair_cols(scale * tl.exp(gT), tl.exp(gT - wT), BK, BT)
+    # the diagonal (decay 1): dr_t += dA_rb[t,t] b_t + dA_rk[t,t] k_t; db_t, dk_t += the same entries times r_t
+    diag = lo[:, None] & (c2[:, None] == t2[None, :])
+    Dg = tl.where(diag, dA, 0.)
+    d_x += mm(Y, tl.trans(Dg), PREC)
+    d_y += mm(X, Dg, PREC)
     # Pairwise matrices back to their factors, level by level as in the forward:
     # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
-        if SUMS:
-            to_row, to_row_ex, from_col, second, first, pair = level_sums_t(wT, rows, cb, BT, BK, BT >> lvl)
-            e_r = decay_on(second, to_row)
-            e_a = decay_on(second, to_row_ex)
-            e_col = decay_on(first, from_col)
-        else:
-            g_refT, second, first, pair = level_split_t(gT, rows, cb, BT >> lvl)
-            e_r = decay_on(second, gT - g_refT)
-            e_a = decay_on(second, geT - g_refT)
-            e_col = decay_on(first, g_refT - gT)
-        r_hat = rT * e_r
-        a_hat = aT * e_a
-        b_hat = bT * e_col
-        k_hat = kT * e_col
-        m_rb = tl.where(pair, dA_rb, 0.)
-        m_rk = tl.where(pair, dA_rk, 0.)
-        m_ab = tl.where(pair, dA_ab, 0.)
-        m_ak = tl.where(pair, dA_ak, 0.)
-        drT += e_r * (mm(b_hat, tl.trans(m_rb), PREC)
-                      + mm(k_hat, tl.trans(m_rk), PREC))
-        daT += e_a * (mm(b_hat, tl.trans(m_ab), PREC)
-                      + mm(k_hat, tl.trans(m_ak), PREC))
-        dbT += e_col * (mm(r_hat, m_rb, PREC) + mm(a_hat, m_ab, PREC))
-        dkT += e_col * (mm(r_hat, m_rk, PREC) + mm(a_hat, m_ak, PREC))
+        to_row, to_row_ex, from_col, second, first, _ = level_sums_t(wT, rows, rows, BT, BK, BT >> lvl)
+        e_x = pair_cols(decay_on(second, to_row), decay_on(second, to_row_ex), BK, BT)
+        e_c = decay_on(first, from_col)
+        e_y = pair_cols(e_c, e_c, BK, BT)
+        m_pair = tl.where(pair_mask(t2, t2, BT >> lvl), dA, 0.)
+        d_x += e_x * mm(Y * e_y, tl.trans(m_pair), PREC)
+        d_y += e_y * mm(X * e_x, m_pair, PREC)
 
-    # log-decay gradients: rows read g_t (r) or ge_t (a), columns and chunk-end factors read -g_s
-    d_g = rT * drT - bT * dbT - kT * dkT + tl.where(cb[None, :] == BT - 1, d_gC[:, None], 0.)
-    d_ge = aT * daT
-    dwT = tl.cumsum(d_g, axis=1, reverse=True) + tl.cumsum(d_ge, axis=1, reverse=True) - d_ge
-    store_cols(dr, drT, tok, i_h, H, K, ck, m_t, m_k)
+    # log-decay gradients: r rows read +g, a rows +ge, b and k columns -g, the chunk end +gC (on its last row, which
+    # the reverse cumulative sum hands to every row)
+    xd = X * d_x
+    d_g = fold_pairs(tl.where(lo[None, :], xd, 0.) - Y * d_y, BK, BT) \
+        + tl.where(rows[None, :] == BT - 1, d_gC[:, None], 0.)
+    d_ge = fold_pairs(tl.where(lo[None, :], 0., xd), BK, BT)
+    dwT = tl.cumsum(d_g + d_ge, axis=1, reverse=True) - d_ge
     store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(dk, dkT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(da, daT, tok, i_h, H, K, ck, m_t, m_k)
-    store_cols(db, dbT, tok, i_h, H, K, ck, m_t, m_k)
+    store_pair_cols(dr, da, d_x, tok2, lo, i_h, H, K, ck, m_t2, m_k)
+    store_pair_cols(db, dk, d_y, tok2, lo, i_h, H, K, ck, m_t2, m_k)

@@ -209,11 +209,19 @@ def _block_scan(cu, block_offsets, Mb, Nb, s0, Sb, s_end, H: tl.constexpr, K: tl
     if HAS_S0:
         S = tl.load(s0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
     nb = tl.cdiv(eos - bos, BL)
+    # N is only added, so the compiler does not prefetch it as it does M (a product's operand): loaded one block
+    # ahead by hand, it leaves the step's critical path
+    N_next = tl.load(Nb + ((b0 + (nb - 1 if REVERSE else 0)) * H + i_h).to(tl.int64) * K * V + s_off,
+                     mask=m_kv & (ck[:, None] * 0 < nb), other=0.)   # (a tensor condition: the interpreter's masks)
     for j in range(nb):
         i_b = nb - 1 - j if REVERSE else j
         base = ((b0 + i_b) * H + i_h).to(tl.int64)
+        i_next = i_b - 1 if REVERSE else i_b + 1
+        N = N_next
+        N_next = tl.load(Nb + ((b0 + i_next) * H + i_h).to(tl.int64) * K * V + s_off,
+                         mask=m_kv & (ck[:, None] * 0 + j + 1 < nb), other=0.)
         tl.store(Sb + base * K * V + s_off, S, mask=m_kv)
         M = tl.load(Mb + base * K * K + m_off, mask=m_kk, other=0.)
-        S = mm(M, S, PREC) + tl.load(Nb + base * K * V + s_off, mask=m_kv, other=0.)
+        S = mm(M, S, PREC) + N
     if STORE_END:
         tl.store(s_end + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)

@@ -4,8 +4,8 @@ At the level with blocks of BS rows, the pairs are (t in a block's second half, 
 through the block's reference row m (the last row of the first half): exp(g_t - g_m) * exp(g_m - g_s), both <= 0.
 Every helper returns the half masks and the pair mask [BT, BT] (t, s), and either
 
-  level_split*: g_m, gathered with an exact one-hot fp32 product; the caller differences it against the chunk-long
-                cumulative sums g, ge (LEVEL_SUMS = False), or
+  level_split:  g_m, gathered with an exact one-hot fp32 product; the caller differences it against the chunk-long
+                cumulative sums g, ge (LEVEL_SUMS = False, forward only), or
   level_sums*:  the log decays themselves, summed over the half block between the two rows (a reshape and a
                 cumulative sum; only the steps between the rows enter the sum): g_t - g_m and ge_t - g_m (second-half
                 rows), g_m - g_s (first-half rows). The default (LEVEL_SUMS in __init__.py): ptxas lowers the
@@ -33,19 +33,6 @@ def level_split(g, rows, cols, BS: tl.constexpr):
     g_ref = tl.dot(onehot, g, input_precision="ieee")
     second = ((rows % BS) >= BS // 2)[:, None]
     first = ((rows % BS) < BS // 2)[:, None]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return g_ref, second, first, pair
-
-
-@triton.jit
-def level_split_t(gT, rows, cols, BS: tl.constexpr):
-    """Feature-major tiles ([BK, BT]): likewise, half masks [1, BT] over token columns."""
-    ref = (rows // BS) * BS + BS // 2 - 1
-    onehot_t = tl.where(cols[:, None] == ref[None, :], 1., 0.)  # [s, t] = 1 where s is t's reference row
-    g_ref = tl.dot(gT, onehot_t, input_precision="ieee")
-    second = ((rows % BS) >= BS // 2)[None, :]
-    first = ((rows % BS) < BS // 2)[None, :]
     pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
         & ((cols[None, :] % BS) < BS // 2)
     return g_ref, second, first, pair
