@@ -123,7 +123,8 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     tok2 = t0 + t2
     m_t2 = tok2 < eos
 
-    # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads.
+    # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads; g and e^{gC - g} are
+    # formed again after the loop rather than held through its products (registers: the kernel is at 255).
     wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
     gC = tl.sum(wT, axis=1)
     k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
