@@ -59,8 +59,12 @@ def _scan_bv(V: int, sequences_x_heads: int) -> int:
 # against 5.72.
 BLOCK_SCAN: bool | None = None
 BLOCK_CHUNKS = 32
-# V tile of the blocked scan's per-block programs (maps and fill)
+# V tile of the blocked scan's per-block programs (fills, and the backward's map)
 BLOCK_BV = 64
+# Column tile of the forward's block maps [M | N] ([K, K + V]; 128: one program per block and head at K = V = 64;
+# 64 takes M and N apart, as two programs) and their warps
+BLOCK_MAP_BV = 128
+BLOCK_MAP_WARPS = 4
 
 
 def _blocked(sequences: int, H: int, V: int) -> bool:
@@ -105,20 +109,19 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
     tensors = (r, w, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
     if blocks is None:
-        _fwd_scan[(N, H, triton.cdiv(V, BV))](*tensors, None, *per_chunk, None, scale, V=V, BV=BV, BLOCKED=False,
-                                              VALUES=True, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht,
+        _fwd_scan[(N, H, triton.cdiv(V, BV))](*tensors, None, *per_chunk, None, None, scale, V=V, BV=BV,
+                                              BLOCKED=False, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht,
                                               **scan)
         return o, ht, (h, U, Arb, Ark, Aak, Tinv, None), (chunk_offsets, chunk_index, NT), None
     block_offsets, block_index, NB = blocks
-    # per block, all at once: the block's map S_end = M S_start + N (M: the identity's columns carried through)
+    # per block, all at once: the block's map S_end = M S_start + N (M: the identity's columns carried through),
+    # both as one [K, K + V] state
     Mb = torch.empty(NB, H, K, K, **f32)
     Nb = torch.empty(NB, H, K, V, **f32)
-    BVb, BKb = min(BLOCK_BV, max(16, next_pow2(V))), min(BLOCK_BV, BK)
-    off = dict(BLOCKED=True, OUT=False, HAS_H0=False, STORE_HT=False)
-    _fwd_scan[(NB, H, triton.cdiv(K, BKb))](*tensors, block_index, *per_chunk, Mb, scale, V=K, BV=BKb,
-                                            VALUES=False, **off, **scan)
-    _fwd_scan[(NB, H, triton.cdiv(V, BVb))](*tensors, block_index, *per_chunk, Nb, scale, V=V, BV=BVb,
-                                            VALUES=True, **off, **scan)
+    BVb, BVm = min(BLOCK_BV, max(16, next_pow2(V))), min(BLOCK_MAP_BV, next_pow2(K + V))
+    _fwd_scan[(NB, H, triton.cdiv(K + V, BVm))](*tensors, block_index, *per_chunk, Nb, Mb, scale, V=V, BV=BVm,
+                                                BLOCKED=True, OUT=False, HAS_H0=False, STORE_HT=False,
+                                                **dict(scan, num_warps=BLOCK_MAP_WARPS))
     # in order, one product per block: the state entering every block (and the final state)
     hb = torch.empty(NB, H, K, V, **f32)
     _block_scan[(N, H, triton.cdiv(V, BV))](cu, block_offsets, Mb, Nb, h0, hb, ht, H=H, K=K, V=V,
@@ -126,9 +129,8 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
                                             HAS_S0=h0 is not None, STORE_END=want_ht, PREC=PREC,
                                             num_warps=SCAN_WARPS)
     # per block again: the chunk states, U and the output from the block's entering state
-    _fwd_scan[(NB, H, triton.cdiv(V, BVb))](*tensors, block_index, *per_chunk, hb, scale, V=V, BV=BVb,
-                                            BLOCKED=True, VALUES=True, OUT=True, HAS_H0=False, STORE_HT=False,
-                                            **scan)
+    _fwd_scan[(NB, H, triton.cdiv(V, BVb))](*tensors, block_index, *per_chunk, hb, None, scale, V=V, BV=BVb,
+                                            BLOCKED=True, OUT=True, HAS_H0=False, STORE_HT=False, **scan)
     return o, ht, (h, U, Arb, Ark, Aak, Tinv, Mb), (chunk_offsets, chunk_index, NT), blocks
 
 

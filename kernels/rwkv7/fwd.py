@@ -6,7 +6,8 @@ Launches:
              state-independent W = T a~, Uv = T A_ak v;
   _fwd_scan  (one program per sequence, head and V tile, chunks in order): U = W S + Uv, the output, the next state.
 or, for few long sequences (blocked scan: the sequential part one product per block of L chunks):
-  _fwd_scan  as the block maps (per block, all at once): S_end = M S_start + N over the block's chunks;
+  _fwd_scan  as the block maps (per block, all at once): S_end = M S_start + N over the block's chunks, M and N
+             carried together as one [K, K + V] state;
   _block_scan (per sequence, head, V tile): the state entering every block, S <- M S + N;
   _fwd_scan  as the fill (per block): the sequence scan over the block's chunks from its entering state.
 Every exp() argument is <= 0 by construction: masked entries are replaced by 0 before the exp and the result by 0
@@ -114,17 +115,19 @@ def scan_span(cu, chunk_offsets, block_index, BT: tl.constexpr, L: tl.constexpr,
 
 
 @triton.jit
-def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0, o, h, U, ht, Sb,
+def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0, o, h, U, ht, Sb, Mb,
               scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, VALUES: tl.constexpr, OUT: tl.constexpr,
+              BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
               HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
-    """The state recursion over chunks in order, in one of four roles:
+    """The state recursion over chunks in order, in one of three roles:
       sequence   (BLOCKED=False, OUT): from h0 through all chunks of a sequence, storing each chunk's entering
                  state h, U and the output; the final state to ht.
       block fill (BLOCKED, OUT): the same over one block of L chunks, from its entering state Sb[block].
-      block map  (BLOCKED, not OUT): the block's affine map S_end = M S_start + N, stored to Sb[block]: N is the
-                 state reached from zero (VALUES), M the states reached from the identity's columns without the
-                 value terms (VALUES=False, launched with V = K, so M is a [K, K] "state")."""
+      block map  (BLOCKED, not OUT): the block's affine map S_end = M S_start + N, M to Mb[block] and N to
+                 Sb[block], both carried at once as one [K, K + V] "state" [M | N] (the program axis 2 tiles its
+                 columns): M starts from the identity and takes no value terms, N starts from zero. One program
+                 walks the block's chunks for both, which costs little more than for one: the steps are bound by
+                 their latency, not by the width of their products."""
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, bos, eos, first, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
     if BLOCKED:
@@ -135,8 +138,13 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
     cb = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     m_k = ck < K
-    cv = i_v * BV + tl.arange(0, BV)
-    m_v = cv < V
+    cs = i_v * BV + tl.arange(0, BV)   # state columns
+    if BLOCKED and not OUT:   # [M | N]: columns below K are M's, the others N's value columns
+        cv = cs - K
+        m_v = (cs >= K) & (cv < V)
+    else:
+        cv = cs
+        m_v = cv < V
     m_kv = m_k[:, None] & m_v[None, :]
     # state tile S [BK, BV], fp32 throughout
     s_off = ck[:, None] * V + cv[None, :]
@@ -145,14 +153,20 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
     if BLOCKED:
         if OUT:
             S = tl.load(Sb + block_base + s_off, mask=m_kv, other=0.)
-        elif not VALUES:
-            S = tl.where(ck[:, None] == cv[None, :], 1., 0.)
+        else:
+            S = tl.where((ck[:, None] == cs[None, :]) & (cs < K)[None, :], 1., 0.)
     elif HAS_H0:
         S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
+    # Uv is only added to a product's result, so the compiler does not prefetch it as it does the products'
+    # operands (ncu, B=8 T=4096: 18 % of the scan's stalls waited on this load): loaded a chunk ahead by hand
+    tok = bos + first * BT + rows
+    Uv_next = load_cols(Uv, tok, i_h, H, V, cv, tok < eos, m_v)
     for i in range(count):
         i_t = first + i
         tok = bos + i_t * BT + rows
         m_t = tok < eos
+        UvT = Uv_next
+        Uv_next = load_cols(Uv, tok + BT, i_h, H, V, cv, tok + BT < eos, m_v)
         wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
@@ -162,11 +176,11 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
         St = tl.trans(S)
         UT = mm(St, WT, PREC)
         S_next = tl.exp(gC)[:, None] * S
-        if VALUES:
-            UT += load_cols(Uv, tok, i_h, H, V, cv, m_t, m_v)
-            vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
-            k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-            S_next += mm(k_endT, tl.trans(vT), PREC)
+        # (zeros in M's columns)
+        UT += UvT
+        vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
+        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
+        S_next += mm(k_endT, tl.trans(vT), PREC)
         if OUT:
             r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
             A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
@@ -180,6 +194,8 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
     if BLOCKED:
         if not OUT:
             tl.store(Sb + block_base + s_off, S, mask=m_kv)
+            tl.store(Mb + (tl.program_id(0) * H + i_h).to(tl.int64) * K * K + ck[:, None] * K + cs[None, :], S,
+                     mask=m_k[:, None] & (cs < K)[None, :])
     elif STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
 
