@@ -86,6 +86,15 @@ def load_pair_cols(p_lo, p_hi, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
+def load_pair_raw(p_lo, p_hi, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t2, m_f):
+    """load_pair_cols in the tensors' own dtype."""
+    p = tok2[None, :].to(tl.int64) * H * D + i_h * D + feats[:, None]
+    m = m_f[:, None] & m_t2[None, :]
+    return tl.where(lo[None, :], tl.load(p_lo + p, mask=m & lo[None, :], other=0.),
+                    tl.load(p_hi + p, mask=m & ~lo[None, :], other=0.))
+
+
+@triton.jit
 def store_pair_cols(p_lo, p_hi, x, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t2, m_f):
     store_cols(p_lo, x, tok2, i_h, H, D, feats, m_t2 & lo, m_f)
     store_cols(p_hi, x, tok2, i_h, H, D, feats, m_t2 & ~lo, m_f)
@@ -156,19 +165,20 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
 
     # The r rows of dA carry the output's scale; pairs run t > s (levels) and t = s for r rows only (diagonal).
     dA = tl.where(lo[:, None], scale * dA, dA)
-    X = load_pair_cols(r, a, tok2, lo, i_h, H, K, ck, m_t2, m_k)    # [r | a]
-    Y = load_pair_cols(b, k, tok2, lo, i_h, H, K, ck, m_t2, m_k)    # [b | k]
+    # [r | a] and [b | k] stay in the inputs' dtype (half the registers when bf16) until each use
+    X = load_pair_raw(r, a, tok2, lo, i_h, H, K, ck, m_t2, m_k)
+    Y = load_pair_raw(b, k, tok2, lo, i_h, H, K, ck, m_t2, m_k)
     gT = tl.cumsum(wT, axis=1)
     # x rows read g (r, inclusive) or ge (a, exclusive); y columns and the chunk end read -g
     to_endT = tl.exp(gC[:, None] - gT)
     d_y *= pair_cols(to_endT, to_endT, BK, BT)
-    d_gC = d_gC * tl.exp(gC) + tl.sum(Y * d_y, axis=1)
+    d_gC = d_gC * tl.exp(gC) + tl.sum(Y.to(tl.float32) * d_y, axis=1)
     d_x *= pair_cols(scale * tl.exp(gT), tl.exp(gT - wT), BK, BT)
     # the diagonal (decay 1): dr_t += dA_rb[t,t] b_t + dA_rk[t,t] k_t; db_t, dk_t += the same entries times r_t
     diag = lo[:, None] & (c2[:, None] == t2[None, :])
     Dg = tl.where(diag, dA, 0.)
-    d_x += mm(Y, tl.trans(Dg), PREC)
-    d_y += mm(X, Dg, PREC)
+    d_x += mm(Y.to(tl.float32), tl.trans(Dg), PREC)
+    d_y += mm(X.to(tl.float32), Dg, PREC)
     # Pairwise matrices back to their factors, level by level as in the forward:
     # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
@@ -177,13 +187,13 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         e_c = decay_on(first, from_col)
         e_y = pair_cols(e_c, e_c, BK, BT)
         m_pair = tl.where(pair_mask(t2, t2, BT >> lvl), dA, 0.)
-        d_x += e_x * mm(Y * e_y, tl.trans(m_pair), PREC)
-        d_y += e_y * mm(X * e_x, m_pair, PREC)
+        d_x += e_x * mm(Y.to(tl.float32) * e_y, tl.trans(m_pair), PREC)
+        d_y += e_y * mm(X.to(tl.float32) * e_x, m_pair, PREC)
 
     # log-decay gradients: r rows read +g, a rows +ge, b and k columns -g, the chunk end +gC (on its last row, which
     # the reverse cumulative sum hands to every row)
-    xd = X * d_x
-    d_g = fold_pairs(tl.where(lo[None, :], xd, 0.) - Y * d_y, BK, BT) \
+    xd = X.to(tl.float32) * d_x
+    d_g = fold_pairs(tl.where(lo[None, :], xd, 0.) - Y.to(tl.float32) * d_y, BK, BT) \
         + tl.where(rows[None, :] == BT - 1, d_gC[:, None], 0.)
     d_ge = fold_pairs(tl.where(lo[None, :], 0., xd), BK, BT)
     dwT = tl.cumsum(d_g + d_ge, axis=1, reverse=True) - d_ge
