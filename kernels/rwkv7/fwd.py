@@ -176,8 +176,7 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
         St = tl.trans(S)
         UT = mm(St, WT, PREC)
         S_next = tl.exp(gC)[:, None] * S
-        # (zeros in M's columns)
-        UT += UvT
+        UT += UvT   # Uv and v load as zeros in M's columns (block maps): M takes no value terms
         vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
         k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         S_next += mm(k_endT, tl.trans(vT), PREC)
