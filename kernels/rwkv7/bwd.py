@@ -185,7 +185,7 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # Pairwise matrices back to their factors, level by level as in the forward:
     # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
-        to_row, to_row_ex, from_col, second, first, _ = level_sums_t(wT, rows, rows, BT, BK, BT >> lvl)
+        to_row, to_row_ex, from_col, second, first = level_sums_t(wT, rows, BT, BK, BT >> lvl)
         e_x = pair_cols(decay_on(second, to_row), decay_on(second, to_row_ex), BK, BT)
         e_c = decay_on(first, from_col)
         e_y = pair_cols(e_c, e_c, BK, BT)

@@ -2,7 +2,8 @@
 
 At the level with blocks of BS rows, the pairs are (t in a block's second half, s in its first half); both factor
 through the block's reference row m (the last row of the first half): exp(g_t - g_m) * exp(g_m - g_s), both <= 0.
-Every helper returns the half masks and the pair mask [BT, BT] (t, s), and either
+The token-major helpers (_fwd_prep) return the half masks and the pair mask [BT, BT] (t, s) (`pair_mask`; the
+feature-major one, for _bwd_chunk, the half masks only: that kernel masks its pairs at the paired width), and either
 
   level_split:  g_m, gathered with an exact one-hot fp32 product; the caller differences it against the chunk-long
                 cumulative sums g, ge (LEVEL_SUMS = False, forward only), or
@@ -33,9 +34,7 @@ def level_split(g, rows, cols, BS: tl.constexpr):
     g_ref = tl.dot(onehot, g, input_precision="ieee")
     second = ((rows % BS) >= BS // 2)[:, None]
     first = ((rows % BS) < BS // 2)[:, None]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
-        & ((cols[None, :] % BS) < BS // 2)
-    return g_ref, second, first, pair
+    return g_ref, second, first, pair_mask(rows, cols, BS)
 
 
 @triton.jit
@@ -51,12 +50,12 @@ def level_sums(w, rows, cols, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constex
 
 
 @triton.jit
-def level_sums_t(wT, rows, cols, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
-    """Feature-major tiles ([BK, BT]): likewise."""
+def level_sums_t(wT, rows, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+    """Feature-major tiles ([BK, BT]): likewise, without the pair mask."""
     HALF: tl.constexpr = BS // 2
     w3 = tl.reshape(wT, [BK, BT // HALF, HALF])
     to_row = tl.reshape(tl.cumsum(w3, axis=2), [BK, BT])
     from_col = tl.reshape(tl.cumsum(w3, axis=2, reverse=True), [BK, BT]) - wT
     second = ((rows % BS) >= BS // 2)[None, :]
     first = ((rows % BS) < BS // 2)[None, :]
-    return to_row, to_row - wT, from_col, second, first, pair_mask(rows, cols, BS)
+    return to_row, to_row - wT, from_col, second, first
