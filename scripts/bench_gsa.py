@@ -55,9 +55,10 @@ def sdpa(q, k, v, s, f):
 
 # Alternatives to the defaults in kernels/gsa/__init__.py, one change at a time (bench_kernels.sweep prints each
 # one's time and its relative difference from the defaults). The scan D tile sets how many programs the sequential
-# scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path.
-SWEEP = [dict(CHUNK_WARPS=4), dict(OUT_WARPS=8), dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64),
-         dict(FEED_SCAN=False), dict(SCAN_WARPS=8), dict(CHUNK=16)]
+# scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path; SPLIT_SCAN=False keeps
+# the fed weights fp32 (tf32 products).
+SWEEP = [dict(SPLIT_SCAN=False), dict(SCAN_BD=16), dict(SCAN_BD=32), dict(SCAN_BD=64), dict(SCAN_WARPS=8),
+         dict(CHUNK_WARPS=4), dict(OUT_WARPS=8), dict(FEED_SCAN=False), dict(CHUNK=16)]
 
 
 def main():

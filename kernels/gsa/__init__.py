@@ -15,7 +15,7 @@ import torch
 
 from kernels.gsa.naive import naive_gsa
 from kernels.gsa.torch_chunk import chunk_gsa_torch
-from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
+from kernels.utils import as_varlen, chunk_tables, is_interpreting, next_pow2, scan_tile
 
 __all__ = ["chunk_gsa", "naive_gsa", "chunk_gsa_torch"]
 
@@ -39,6 +39,14 @@ OUT_WARPS = 4
 # loops form no cumulative sum and no exp (245 instead of 994 sm_90 instructions per step). The same values either
 # way. H100 fwd+bwd: B=8 T=4096 4.29 ms against 4.51; B=2 T=16384 4.86 against 6.37 (both with 32-wide tiles).
 FEED_SCAN = True
+# With FEED_SCAN and bf16 x (k, v; q, do): the fed weights are stored as bf16 halves hi + lo (16 mantissa bits, tf32
+# keeps 10) and each scan step is two bf16 products whose operands the tensor cores read from shared memory as they
+# were loaded; a tf32 product needs both transposed through registers first (fp32 inputs keep the tf32 step).
+SPLIT_SCAN = True
+
+
+def _split(*xs) -> bool:
+    return FEED_SCAN and SPLIT_SCAN and all(x.dtype == torch.bfloat16 for x in xs)
 
 
 def _chunk(M: int) -> int:
@@ -54,7 +62,7 @@ def _slots(M: int) -> int:
     return max(16, next_pow2(M))
 
 
-def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None):
+def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None, split=False):
     """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends) of
     two states at once, each given as (w, x, h0): returns (states, final state or None) for each. With `egc`
     (e^{G_C} per chunk) the w come with their decays applied (FEED_SCAN)."""
@@ -79,7 +87,7 @@ def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None):
     _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, egc, cu, chunk_offsets,
                       H=H, M=M, D1=D1, D2=D2, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
                       HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, FEED=egc is not None,
-                      num_warps=SCAN_WARPS)
+                      SPLIT=split, EXACT=is_interpreting(), num_warps=SCAN_WARPS)
     return out
 
 
@@ -90,24 +98,33 @@ def _dims(q, v, s):
                 LEVELS=BT.bit_length() - 1, PREC=PREC, num_warps=CHUNK_WARPS)
 
 
-def _gate_factors(s, g, cu, tables):
-    """(s e^{sum_{j>t} g_j} [1, T, H, M], e^{G_C} [NT, H, M]) for the fed forward scans, or (s, None) unfed."""
+def _gate_factors(s, g, cu, tables, split):
+    """(s e^{sum_{j>t} g_j} [1, T, H, M] fp32, or [1, T, H, 2M] bf16 halves when split; e^{G_C} [NT, H, M]) for the
+    fed forward scans, or (s, None) unfed."""
     if not FEED_SCAN:
         return s, None
     from kernels.gsa.fwd import _gate_factors as kernel
 
     H, M = g.shape[2], g.shape[3]
-    sE = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    sE = _fed(g, split)
     egc = torch.empty(tables[2], H, M, device=g.device, dtype=torch.float32)
-    kernel[(tables[2], H)](s, g, cu, tables[1], sE, egc, H=H, M=M, BT=_chunk(M), BM=_slots(M))
+    kernel[(tables[2], H)](s, g, cu, tables[1], sE, egc, H=H, M=M, BT=_chunk(M), BM=_slots(M), SPLIT=split)
     return sE, egc
+
+
+def _fed(g, split):
+    """A scan's fed weights: fp32 [1, T, H, M], or bf16 [1, T, H, 2M] (hi | lo halves) when split."""
+    if split:
+        return torch.empty(*g.shape[:3], 2 * g.shape[3], device=g.device, dtype=torch.bfloat16)
+    return torch.empty(g.shape, device=g.device, dtype=torch.float32)
 
 
 def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     from kernels.gsa.fwd import _fwd_out
 
-    sE, egc = _gate_factors(s, g, cu, tables)
-    (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc)
+    split = _split(k, v)
+    sE, egc = _gate_factors(s, g, cu, tables, split)
+    (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc, split)
     o = torch.empty_like(v)
     # the softmax p and the slot logits, kept for the backward (fp32 [T, H, M]): recomputing them there took
     # longer (H100, B=8 T=4096: 4.04 ms fwd+bwd against 3.91)
@@ -121,15 +138,17 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
 
     (hk, _), (hv, _) = _scan(g, cu, tables, (s if sE is None else sE, k, hk0), (s if sE is None else sE, v, hv0),
-                             False, False, egc)
+                             False, False, egc, sE is not None and sE.dtype == torch.bfloat16)
     grid = (tables[2], q.shape[2])
     f32 = dict(device=q.device, dtype=torch.float32)
     dz, dg = (torch.empty(g.shape, **f32) for _ in range(2))
-    pe, dze = (torch.empty(g.shape, **f32) for _ in range(2)) if egc is not None else (p, dz)
+    split = egc is not None and _split(q, do)
+    pe, dze = (_fed(g, split) for _ in range(2)) if egc is not None else (p, dz)
     dims = _dims(q, v, s)
-    _bwd_dz[grid](v, s, g, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, scale, FEED=egc is not None,
+    _bwd_dz[grid](v, s, g, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, scale, FEED=egc is not None, SPLIT=split,
                   **{n: x for n, x in dims.items() if n not in ("K", "BK")})   # it reads no key-side tensor
-    (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc)
+    (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
+                                     split)
     dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     _bwd_dkvsg[grid](q, k, v, s, g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dq, dk, dv, ds, dg,
                      **dims)

@@ -16,13 +16,13 @@ import triton
 import triton.language as tl
 
 from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, load_rows, load_state, pair_matrix,
-                             store_rows)
+                             store_rows, store_split)
 
 
 @triton.jit
 def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, scale,
             H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr):
+            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -54,9 +54,13 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
     # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(dz_out, dZr, tok, i_h, H, M, cm, m_t, m_m)
-    if FEED:   # the reverse scans' inputs with their decay e^{G} applied (FEED_SCAN)
-        store_rows(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
-        store_rows(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
+    if FEED:   # the reverse scans' inputs with their decay e^{G} applied (FEED_SCAN), split in bf16 halves (SPLIT)
+        if SPLIT:
+            store_split(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
+            store_split(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
+        else:
+            store_rows(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
+            store_rows(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
 
 
 @triton.jit

@@ -28,6 +28,31 @@ def load_state(ptr, base, cm, cd, D: tl.constexpr, m_m, m_d):
 
 
 @triton.jit
+def store_split(ptr, x, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m):
+    """An fp32 [BT, BM] tile as two bf16 halves, hi = bf16(x) and lo = bf16(x - hi), in rows of 2M ([.., hi | lo]):
+    hi + lo keeps 16 bits of x's mantissa (tf32 keeps 10), and a product of each half with bf16 data reads both
+    operands from shared memory as they were loaded (tf32 products need them transposed through registers)."""
+    hi = x.to(tl.bfloat16)
+    store_rows(ptr, hi, tok, i_h, H, 2 * M, cm, m_t, m_m)
+    store_rows(ptr + M, (x - hi.to(tl.float32)).to(tl.bfloat16), tok, i_h, H, 2 * M, cm, m_t, m_m)
+
+
+@triton.jit
+def split_dot(ptr, x, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, acc, EXACT: tl.constexpr):
+    """acc + w^T x for w stored split (store_split) and x bf16 [BT, BD]: two bf16 products, fp32 accumulation.
+    EXACT (the interpreter, which mis-computes bf16 products): the same in fp32."""
+    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * (2 * M) + cm[None, :]
+    mask = m_t[:, None] & m_m[None, :]
+    hi = tl.load(p, mask=mask, other=0.)
+    lo = tl.load(p + M, mask=mask, other=0.)
+    if EXACT:
+        x = x.to(tl.float32)
+        return acc + tl.dot(tl.trans(hi.to(tl.float32)), x, input_precision="ieee") \
+            + tl.dot(tl.trans(lo.to(tl.float32)), x, input_precision="ieee")
+    return tl.dot(tl.trans(lo), x, tl.dot(tl.trans(hi), x, acc))
+
+
+@triton.jit
 def load_gates(g, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, eos, rows, BT: tl.constexpr):
     """The chunk's log gates g [BT, BM] and the next row's gn (gn[t] = g[t+1] inside the chunk, 0 on its last row),
     loaded shifted so that exclusive sums are plain sums: no exponent is ever a difference of two cumulative sums
@@ -122,13 +147,15 @@ def slot_softmax(Z, m_t, m_m):
 def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-              PREC: tl.constexpr, FEED: tl.constexpr):
+              PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
     """One [BM, BD] tile of one state, all of a sequence's chunks in order.
     Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
     REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
               first; w = scale dZ with x = q, or w = p with x = do).
     FEED:     w comes with its decay already applied (fp32) and e^{G_C} per chunk from `egc`: the sequential
-              loop forms no cumulative sum and no exp (g is not read)."""
+              loop forms no cumulative sum and no exp (g is not read).
+    SPLIT:    (with FEED, x bf16) w comes split in bf16 halves (store_split): the step's product is two bf16
+              products of operands straight from shared memory."""
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
@@ -158,7 +185,8 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
         tok = bos + i_t * BT + rows
         m_t = tok < eos
         if FEED:
-            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
+            if not SPLIT:
+                b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
             e_GC = e_GC_next
             e_GC_next = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
                                 mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
@@ -169,9 +197,14 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
                 b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_g, axis=0))
             else:
                 b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
-        b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
         tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
-        S = e_GC[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
+        if SPLIT:
+            b_x = tl.load(x + (tok[:, None].to(tl.int64) * H + i_h) * D + cd[None, :],
+                          mask=m_t[:, None] & m_d[None, :], other=0.)
+            S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, e_GC[:, None] * S, EXACT)
+        else:
+            b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
+            S = e_GC[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
 
@@ -180,7 +213,8 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
 def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_offsets,
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr):
+                STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
+                EXACT: tl.constexpr):
     """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
     first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
     alone; launched together the two run side by side instead of one after the other."""
@@ -188,15 +222,15 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
         scan_tile(w1, g, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
-                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED)
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT)
     else:
         scan_tile(w2, g, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
-                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED)
+                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT)
 
 
 @triton.jit
 def _gate_factors(s, g, cu, chunk_index, sE, egc,
-                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr):
+                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
     """Per chunk (FEED_SCAN): the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j}, and
     e^{G_C}, so that the scans' sequential loops only load them."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -210,7 +244,11 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc,
     m_m = cm < M
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    store_rows(sE, b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True)), tok, i_h, H, M, cm, m_t, m_m)
+    b_sE = b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
+    if SPLIT:
+        store_split(sE, b_sE, tok, i_h, H, M, cm, m_t, m_m)
+    else:
+        store_rows(sE, b_sE, tok, i_h, H, M, cm, m_t, m_m)
     tl.store(egc + (i_c * H + i_h).to(tl.int64) * M + cm, tl.exp(tl.sum(b_g, axis=0)), mask=m_m)
 
 

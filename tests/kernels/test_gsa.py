@@ -78,8 +78,8 @@ def naive(xs, h0, scale, cu_seqlens=None, final=True):
     return run(naive_gsa, xs, h0, scale, cu_seqlens, final=final)
 
 
-def assert_close(got, ref, tol, what=""):
-    for name, x, y in zip(NAMES, got, ref):
+def assert_close(got, ref, tol, what="", names=NAMES):
+    for name, x, y in zip(names, got, ref):
         if y is None:
             assert x is None, f"{what} {name}: expected None"
             continue
@@ -267,6 +267,21 @@ def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
                  run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, f"fed scans, {case}")
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_triton_interpreter_bf16_split_scans(split, monkeypatch, interp):
+    # bf16 inputs: the scans' fed weights travel as bf16 halves hi + lo (SPLIT_SCAN). The final states come from the
+    # forward scan alone (fed weights and bf16 k, v): they must keep fp32 accuracy, as the tf32 step does; a plain
+    # bf16 rounding of the weights would be ~1e-3 off. Everything else is bf16 and meets the bf16 bar.
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "SPLIT_SCAN", split)
+    cu = torch.tensor([0, 33, 40, 100])
+    xs, h0 = make_inputs(1, 100, 1, 32, 32, 32, dtype=torch.bfloat16, decay="wide", n_seq=3, seed=14)
+    got = run(interp, xs, h0, 1.0, cu)
+    ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0, cu)
+    assert_close(got[1:3], ref[1:3], CPU_TOL, f"final states, split={split}", names=NAMES[1:3])
+    assert_close(got, ref, GPU_TOL, f"bf16, split={split}")
+
+
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
 def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -> dict:
@@ -282,24 +297,28 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     BM, BT = gsa._slots(M), gsa._chunk(M)
     out = {}
     for rev in (False, True):
-        for feed in (False, True):
+        for feed, split in ((False, False), (True, False), (True, True)):
+            w = "*bf16" if split or not (rev or feed) else "*fp32"
             k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
-                                             HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed), gsa.SCAN_WARPS,
-                           types={"w1": "*fp32" if rev or feed else "*bf16", "w2": "*fp32" if rev or feed else "*bf16",
-                                  "g": "*fp32", "egc": "*fp32",
+                                             HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed, SPLIT=split,
+                                             EXACT=False), gsa.SCAN_WARPS,
+                           types={"w1": w, "w2": w, "g": "*fp32", "egc": "*fp32",
                                   **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
-            out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''})"] = k
-    out["_gate_factors (FEED_SCAN)"] = sm90.build(_gate_factors, dict(H=4, M=M, BT=BT, BM=BM), 4,
-                                                  types={"g": "*fp32", "sE": "*fp32", "egc": "*fp32"})
+            out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''}{', SPLIT_SCAN' if split else ''})"] = k
+    for split in (False, True):
+        out[f"_gate_factors (FEED_SCAN{', SPLIT_SCAN' if split else ''})"] = sm90.build(
+            _gate_factors, dict(H=4, M=M, BT=BT, BM=BM, SPLIT=split), 4,
+            types={"g": "*fp32", "sE": "*bf16" if split else "*fp32", "egc": "*fp32"})
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
     f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p", "z", "p_out", "z_out", "dz_out", "p_in", "dz_in",
                                 "dg", "pe_out", "dze_out")}
     out["_fwd_out"] = sm90.build(_fwd_out, consts, gsa.OUT_WARPS, types=f32)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
-    for feed in (False, True):
-        out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}"] = sm90.build(_bwd_dz, dict(dz_consts, FEED=feed),
-                                                                   gsa.CHUNK_WARPS, types=f32)
+    for feed, split in ((False, False), (True, False), (True, True)):
+        out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
+            _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split), gsa.CHUNK_WARPS,
+            types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})))
     out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, consts, gsa.CHUNK_WARPS, types=f32)
     return sm90.report(out, what)
 
@@ -376,7 +395,7 @@ def test_gpu_matches_cpu_torch_path():
 
 
 # The other settings the sweep times, in bf16 on the GPU.
-VARIANTS = [dict(FEED_SCAN=False), dict(SCAN_BD=16), dict(SCAN_BD=64)]
+VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(SCAN_BD=16), dict(SCAN_BD=64)]
 
 
 @gpu
