@@ -34,6 +34,9 @@ SCAN_WARPS = 4
 # 3.91 ms fwd+bwd against 5.91 with 4) and of the forward's _fwd_out (forward 1.16 ms against 1.41 with 8).
 CHUNK_WARPS = 8
 OUT_WARPS = 4
+# _fwd_out as one launch (1) or two (2: the slot logits and softmax, then the output from the stored p; fewer
+# registers live in each, no spills)
+OUT_PASSES = 2
 # The scans' inputs with their decays applied (s e^{sum_{j>t} g_j} from a small per-chunk kernel, kept for the
 # backward's rescan; p e^G and dZr e^G from _bwd_dz) and e^{G_C} per chunk, all fp32, so that the scans' sequential
 # loops form no cumulative sum and no exp (245 instead of 994 sm_90 instructions per step). The same values either
@@ -132,8 +135,9 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     # the softmax p and the slot logits, kept for the backward (fp32 [T, H, M]): recomputing them there took
     # longer (H100, B=8 T=4096: 4.04 ms fwd+bwd against 3.91)
     p, z = (torch.empty(g.shape, device=g.device, dtype=torch.float32) for _ in range(2))
-    _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, p, z, scale,
-                                      **dict(_dims(q, v, s), num_warps=OUT_WARPS))
+    for npass in ((1, 2) if OUT_PASSES == 2 else (0,)):
+        _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, p, z, scale, PASS=npass,
+                                          **dict(_dims(q, v, s), num_warps=OUT_WARPS))
     return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z)
 
 

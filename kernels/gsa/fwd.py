@@ -280,7 +280,9 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc,
 @triton.jit
 def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, scale,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-             BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+             BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
+             PASS: tl.constexpr):
+    """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -295,12 +297,17 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, scale,
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     G = tl.cumsum(b_g, axis=0)
     hbase = (i_c * H + i_h).to(tl.int64) * M
-    Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
-                         H, K, M, BT, BK, BM, LEVELS, PREC)
-    P = slot_softmax(scale * Zr, m_t, m_m)
-    # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
-    store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
-    store_rows(z_out, Zr, tok, i_h, H, M, cm, m_t, m_m)
+    if PASS == 2:
+        P = load_rows(p_out, tok, i_h, H, M, cm, m_t, m_m)
+    else:
+        Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
+                             H, K, M, BT, BK, BM, LEVELS, PREC)
+        P = slot_softmax(scale * Zr, m_t, m_m)
+        # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
+        store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
+        store_rows(z_out, Zr, tok, i_h, H, M, cm, m_t, m_m)
+    if PASS == 1:
+        return
     # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
     A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
     Pe = P * tl.exp(G)

@@ -313,7 +313,8 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
     f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p", "z", "p_out", "z_out", "dz_out", "p_in", "dz_in",
                                 "dg", "pe_out", "dze_out")}
-    out["_fwd_out"] = sm90.build(_fwd_out, consts, gsa.OUT_WARPS, types=f32)
+    for npass in (0, 1, 2):
+        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass), gsa.OUT_WARPS, types=f32)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
     for feed, split in ((False, False), (True, False), (True, True)):
         out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
@@ -395,7 +396,7 @@ def test_gpu_matches_cpu_torch_path():
 
 
 # The other settings the sweep times, in bf16 on the GPU.
-VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(SCAN_AHEAD=False), dict(SCAN_BD=16), dict(SCAN_BD=64)]
+VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(SCAN_AHEAD=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64)]
 
 
 @gpu
