@@ -46,9 +46,6 @@ FEED_SCAN = True
 # keeps 10) and each scan step is two bf16 products whose operands the tensor cores read from shared memory as they
 # were loaded; a tf32 product needs both transposed through registers first (fp32 inputs keep the tf32 step).
 SPLIT_SCAN = True
-# With SPLIT_SCAN: each scan step forms the next chunk's product while adding this one's, so the state's chain of
-# dependent steps is one multiply-add per chunk instead of a product.
-SCAN_AHEAD = True
 
 
 def _split(*xs) -> bool:
@@ -93,7 +90,7 @@ def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None, split=False)
     _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, egc, cu, chunk_offsets,
                       H=H, M=M, D1=D1, D2=D2, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
                       HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, FEED=egc is not None,
-                      SPLIT=split, EXACT=is_interpreting(), AHEAD=split and SCAN_AHEAD, num_warps=SCAN_WARPS)
+                      SPLIT=split, EXACT=is_interpreting(), num_warps=SCAN_WARPS)
     return out
 
 

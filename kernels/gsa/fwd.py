@@ -147,8 +147,7 @@ def slot_softmax(Z, m_t, m_m):
 def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-              PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
-              AHEAD: tl.constexpr):
+              PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
     """One [BM, BD] tile of one state, all of a sequence's chunks in order.
     Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
     REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
@@ -156,9 +155,7 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     FEED:     w comes with its decay already applied (fp32) and e^{G_C} per chunk from `egc`: the sequential
               loop forms no cumulative sum and no exp (g is not read).
     SPLIT:    (with FEED, x bf16) w comes split in bf16 halves (store_split): the step's product is two bf16
-              products of operands straight from shared memory.
-    AHEAD:    (with SPLIT) the product of the next chunk is formed while this one's is added to the state, off
-              the state's chain of dependent steps (a step's update is then one multiply-add)."""
+              products of operands straight from shared memory."""
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
@@ -173,14 +170,12 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     if HAS_H0:
         S = load_state(h0, (i_n * H + i_h).to(tl.int64) * M * D, cm, cd, D, m_m, m_d)
     nt = tl.cdiv(eos - bos, BT)
-    # e^{G_C} only scales the state, so the compiler does not prefetch it: loaded one chunk ahead by hand (otherwise
-    # each step waits for it)
+    # e^{G_C} only scales the state, so the compiler does not prefetch it: loaded a chunk ahead by hand, into its
+    # register only after the value there was used (loaded while still in use, ptxas copied the register at the
+    # end of each step, which waited for the load: 57% of the scan's stall samples at B=2 T=16384)
     if FEED:
-        e_GC_next = tl.load(egc + ((c0 + (nt - 1 if REVERSE else 0)) * H + i_h).to(tl.int64) * M + cm,
-                            mask=m_m & (cm * 0 < nt), other=1.)
-    if AHEAD:
-        tok = bos + (nt - 1 if REVERSE else 0) * BT + rows
-        U = fed_product(w, x, tok, (tok >= bos) & (tok < eos), i_h, H, M, D, cm, cd, m_m, m_d, BM, BD, EXACT)
+        e_GC = tl.load(egc + ((c0 + (nt - 1 if REVERSE else 0)) * H + i_h).to(tl.int64) * M + cm,
+                       mask=m_m & (cm * 0 < nt), other=1.)
     for j in range(nt):
         if REVERSE:
             i_t = nt - 1 - j
@@ -190,48 +185,28 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             i_next = i_t + 1
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        if AHEAD:
-            pass   # e^{G_C} is loaded after the state's update below
-        elif FEED:
-            if not SPLIT:
-                b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
-            e_GC = e_GC_next
-            e_GC_next = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
-                                mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
-        else:
+        if not FEED:
             b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)   # padded rows: g = w = x = 0
             e_GC = tl.exp(tl.sum(b_g, axis=0))
             if REVERSE:
                 b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_g, axis=0))
             else:
                 b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
+        elif not SPLIT:
+            b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
         tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
-        if AHEAD:
-            # the next e^{G_C} is loaded only once this one is used: a load into the value still in use made the
-            # compiler copy the register at the end of the step, which waited for the load (57% of the stalls)
-            S = e_GC_next[:, None] * S + U
-            e_GC_next = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
-                                mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
-            tok = bos + i_next * BT + rows
-            U = fed_product(w, x, tok, (tok >= bos) & (tok < eos), i_h, H, M, D, cm, cd, m_m, m_d, BM, BD, EXACT)
-        elif SPLIT:
+        if SPLIT:
             b_x = tl.load(x + (tok[:, None].to(tl.int64) * H + i_h) * D + cd[None, :],
                           mask=m_t[:, None] & m_d[None, :], other=0.)
             S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, e_GC[:, None] * S, EXACT)
         else:
             b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
             S = e_GC[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
+        if FEED:
+            e_GC = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
+                           mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
-
-
-@triton.jit
-def fed_product(w, x, tok, m_t, i_h, H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, cm, cd, m_m, m_d,
-                BM: tl.constexpr, BD: tl.constexpr, EXACT: tl.constexpr):
-    """w^T x [BM, BD] of one chunk's rows `tok`, w split (store_split), x bf16."""
-    b_x = tl.load(x + (tok[:, None].to(tl.int64) * H + i_h) * D + cd[None, :], mask=m_t[:, None] & m_d[None, :],
-                  other=0.)
-    return split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, tl.zeros([BM, BD], dtype=tl.float32), EXACT)
 
 
 @triton.jit
@@ -239,7 +214,7 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
                 STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
-                EXACT: tl.constexpr, AHEAD: tl.constexpr):
+                EXACT: tl.constexpr):
     """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
     first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
     alone; launched together the two run side by side instead of one after the other."""
@@ -247,10 +222,10 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
         scan_tile(w1, g, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
-                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, AHEAD)
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT)
     else:
         scan_tile(w2, g, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
-                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, AHEAD)
+                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT)
 
 
 @triton.jit
