@@ -271,7 +271,7 @@ def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
 def test_triton_interpreter_bf16_split_scans(split, monkeypatch, interp):
     # bf16 inputs: the scans' fed weights travel as bf16 halves hi + lo (SPLIT_SCAN). The final states come from the
     # forward scan alone (fed weights and bf16 k, v): they must keep fp32 accuracy, as the tf32 step does; a plain
-    # bf16 rounding of the weights would be ~1e-3 off. Everything else is bf16 and meets the bf16 bar.
+    # bf16 rounding of the weights is ~3e-3 off (dropping lo). Everything else is bf16 and meets the bf16 bar.
     import kernels.gsa as mod
     monkeypatch.setattr(mod, "SPLIT_SCAN", split)
     cu = torch.tensor([0, 33, 40, 100])
