@@ -8,10 +8,16 @@ import triton.language as tl
 
 
 @triton.jit
-def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
-    """[BT, BD] rows `tok` of head i_h from a [T, H, D] tensor, as fp32 (zeros outside the masks)."""
+def load_rows_raw(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    """[BT, BD] rows `tok` of head i_h from a [T, H, D] tensor, in its own dtype (zeros outside the masks)."""
     p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
-    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.).to(tl.float32)
+    return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.)
+
+
+@triton.jit
+def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
+    """load_rows_raw as fp32."""
+    return load_rows_raw(ptr, tok, i_h, H, D, cols, m_t, m_c).to(tl.float32)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 # bwd.py imports these from here too
-from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_rows, store_rows  # noqa: F401
+from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_rows, load_rows_raw, store_rows  # noqa: F401
 
 
 @triton.jit
@@ -41,10 +41,8 @@ def store_split(ptr, x, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m
 def split_dot(ptr, x, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, acc, EXACT: tl.constexpr):
     """acc + w^T x for w stored split (store_split) and x bf16 [BT, BD]: two bf16 products, fp32 accumulation.
     EXACT (the interpreter, which mis-computes bf16 products): the same in fp32."""
-    p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * (2 * M) + cm[None, :]
-    mask = m_t[:, None] & m_m[None, :]
-    hi = tl.load(p, mask=mask, other=0.)
-    lo = tl.load(p + M, mask=mask, other=0.)
+    hi = load_rows_raw(ptr, tok, i_h, H, 2 * M, cm, m_t, m_m)
+    lo = load_rows_raw(ptr + M, tok, i_h, H, 2 * M, cm, m_t, m_m)
     if EXACT:
         x = x.to(tl.float32)
         return acc + tl.dot(tl.trans(hi.to(tl.float32)), x, input_precision="ieee") \
@@ -196,8 +194,7 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
         tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
         if SPLIT:
-            b_x = tl.load(x + (tok[:, None].to(tl.int64) * H + i_h) * D + cd[None, :],
-                          mask=m_t[:, None] & m_d[None, :], other=0.)
+            b_x = load_rows_raw(x, tok, i_h, H, D, cd, m_t, m_d)
             S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, e_GC[:, None] * S, EXACT)
         else:
             b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
