@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_program, decay_on, load_rows, scan_span
+from kernels.rwkv7.fwd import chunk_program, decay_on, load_rows, load_w, scan_span
 from kernels.rwkv7.levels import level_sums_t, pair_mask
 from kernels.tl_utils import chunk_bounds, load_cols, mm, spare_chunk, store_cols
 
@@ -117,9 +117,10 @@ def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-               dr, dw, dk, dv, da, db, scale,
+               dr, dw, dk, dv, da, db, scale, TT,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
+               W_FM: tl.constexpr):
     """Token tiles are feature-major and paired: [BK or BV, 2 BT], the chunk's tokens twice along the columns, the
     first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
     [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
@@ -137,7 +138,7 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
 
     # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads; g and e^{gC - g} are
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
-    wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+    wT = load_w(w, tok, i_c, i_h, H, K, ck, m_k, m_t, rows, TT, BT, W_FM)
     gC = tl.sum(wT, axis=1)
     k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
     # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)

@@ -23,8 +23,9 @@ def build(fn, consts: dict, warps: int, types: dict | None = None, maxnreg: int 
 
     sig = {n: "constexpr" if n in consts else (types or {}).get(n, "*bf16") for n in fn.arg_names}
     ints = ("cu", "chunk_offsets", "chunk_index", "block_offsets", "block_index")
-    sig.update({n: tp for n, tp in dict({n: "*i32" for n in ints}, scale="fp32").items() if n in sig})
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    sig.update({n: tp for n, tp in dict({n: "*i32" for n in ints}, scale="fp32", TT="i32").items() if n in sig})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if sig[n].startswith("*") or n == "TT"}   # TT: a token count, a multiple of 16 at benchmark shapes
     options = dict(num_warps=warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -245,7 +245,7 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
         return {"unavailable": why}
     BT, BK, BV, SBV = m.CHUNK, max(16, K), min(m.CHUNK_BV, max(16, V)), m._scan_bv(V, 128)  # the widest scan tile
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
-                                "dZ", "dh0", "dw", "Sb", "dSb", "Mb", "Nb", "s0", "s_end")}
+                                "dZ", "dh0", "dw", "Sb", "dSb", "Mb", "Nb", "s0", "s_end", "wf")}
     chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC, V=V, BV=BV, LEVELS=BT.bit_length() - 1)
     scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC, L=m.BLOCK_CHUNKS)
     # the blocked scan's per-block roles (wide tiles: one program per block, head and tile), and its sequential part
@@ -258,9 +258,11 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
     block_scan = dict(H=16, K=K, V=V, BL=BT * m.BLOCK_CHUNKS, BK=BK, BV=16, PREC=m.PREC, HAS_S0=True,
                       STORE_END=True)
     other = f"LEVEL_SUMS={not m.LEVEL_SUMS}"
+    wf = m.W_FEATURE_MAJOR   # _fwd_prep stores w feature-major, _bwd_chunk reads it
     sw = m.SCAN_WARPS
     kernels = {
-        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, SUMS=m.LEVEL_SUMS), m.PREP_WARPS, f32, m.PREP_MAXNREG),
+        "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, SUMS=m.LEVEL_SUMS, STORE_WF=wf), m.PREP_WARPS, f32,
+                                m.PREP_MAXNREG),
         "_fwd_scan": sm90.build(_fwd_scan, fwd_seq, sw, f32),
         "_fwd_scan (block maps M, N)": sm90.build(
             _fwd_scan, dict(fwd_block, BV=min(m.BLOCK_MAP_BV, K + V), OUT=False), m.BLOCK_MAP_WARPS, f32),
@@ -270,9 +272,9 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
         "_bwd_scan": sm90.build(_bwd_scan, bwd_seq, sw, f32),
         "_bwd_scan (block map R)": sm90.build(_bwd_scan, dict(bwd_block, OUT=False), sw, f32),
         "_bwd_scan (block fill)": sm90.build(_bwd_scan, bwd_block, sw, f32),
-        "_bwd_chunk": sm90.build(_bwd_chunk, chunk, m.BWD_WARPS, f32),
-        f"_fwd_prep ({other})": sm90.build(_fwd_prep, dict(chunk, SUMS=not m.LEVEL_SUMS), m.PREP_WARPS, f32,
-                                           m.PREP_MAXNREG),
+        "_bwd_chunk": sm90.build(_bwd_chunk, dict(chunk, W_FM=wf), m.BWD_WARPS, f32),
+        f"_fwd_prep ({other})": sm90.build(_fwd_prep, dict(chunk, SUMS=not m.LEVEL_SUMS, STORE_WF=wf), m.PREP_WARPS,
+                                           f32, m.PREP_MAXNREG),
     }
     return sm90.report(kernels, what)
 
@@ -366,10 +368,23 @@ def test_gpu_matches_cpu_torch_path():
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
 
 
+@pytest.mark.parametrize("feature_major", [False, True])
+def test_triton_interpreter_w_layouts(feature_major, monkeypatch, interp):
+    # _bwd_chunk reading w from [T, H, K] or from the feature-major copy [H, K, T] _fwd_prep stores: packed
+    # sequences whose chunks end mid-row of the copy, K != V, stress decays
+    import kernels.rwkv7 as mod
+    monkeypatch.setattr(mod, "W_FEATURE_MAJOR", feature_major)
+    lens = [5, 40, 19]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, decay="stress", n_seq=len(lens), seed=12)
+    assert_close(run(interp, xs, h0, 0.9, cu), naive(xs, h0, 0.9, cu), CPU_TOL, f"feature_major={feature_major}")
+
+
+
 # The other settings the sweep times, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
 # sequences with K != V.
 VARIANTS = [dict(LEVEL_SUMS=False), dict(PREP_MAXNREG=None), dict(PREP_MAXNREG=128), dict(BLOCK_SCAN=False),
-            dict(BLOCK_SCAN=True, BLOCK_CHUNKS=8)]
+            dict(BLOCK_SCAN=True, BLOCK_CHUNKS=8), dict(W_FEATURE_MAJOR=False)]
 
 
 @gpu
