@@ -78,9 +78,10 @@ def _blocked(sequences: int, H: int, V: int) -> bool:
 # hold fewer registers). _bwd_chunk always sums (the gathered form measured the same there: 3.06 against 3.04 ms).
 LEVEL_SUMS = True
 
-# _fwd_prep also stores w feature-major ([H, K, T], tokens contiguous) for _bwd_chunk, which then holds the chunk's
-# log decays with its tokens along a warp's lanes: its cumulative sums over the chunk stay within a warp instead of
-# crossing the 4 warps through shared memory (fwd.load_w). H100, B=8 T=4096: _bwd_chunk 2.43 -> 2.19 ms.
+# _fwd_prep also stores w feature-major by chunk ([H, K, chunks x BT], each chunk's tokens contiguous and aligned:
+# fwd.w_by_chunk), and the scans and _bwd_chunk read that copy: their [BK, BT] log-decay tiles then hold a chunk's
+# tokens along a warp's lanes, so the cumulative sums over the chunk stay within a warp instead of crossing the 4
+# warps through shared memory. H100 fwd+bwd: B=8 T=4096 4.81 -> 4.30 ms, B=2 T=16384 5.48 -> 4.91 (one run).
 W_FEATURE_MAJOR = True
 
 
@@ -112,8 +113,10 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = _scan_bv(V, N * H)
-    scan = dict(H=H, K=K, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, num_warps=SCAN_WARPS)
-    tensors = (r, w, k, v, b, cu, chunk_offsets)
+    # the scans read w's feature-major copy too (TT: its row length, w_by_chunk)
+    scan = dict(H=H, K=K, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=NT * BT,
+                num_warps=SCAN_WARPS)
+    tensors = (r, w if wf is None else wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
     if blocks is None:
         _fwd_scan[(N, H, triton.cdiv(V, BV))](*tensors, None, *per_chunk, None, None, scale, V=V, BV=BV,
@@ -156,8 +159,9 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht):
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = _scan_bv(V, N * H)
-    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, num_warps=SCAN_WARPS)
-    tensors = (r, w, a, b, do, cu, chunk_offsets)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=NT * BT,
+                num_warps=SCAN_WARPS)
+    tensors = (r, w if wf is None else wf, a, b, do, cu, chunk_offsets)
     if blocks is None:
         _bwd_scan[(N, H, triton.cdiv(V, BV))](*tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, BV=BV,
                                               BLOCKED=False, OUT=True, HAS_DHT=dht is not None,

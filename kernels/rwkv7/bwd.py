@@ -18,9 +18,9 @@ from kernels.tl_utils import chunk_bounds, load_cols, mm, spare_chunk, store_col
 
 @triton.jit
 def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
-              scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              scale, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
-              HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+              HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, W_FM: tl.constexpr):
     """The state-gradient recursion over chunks, last to first, in one of three roles (as the forward's):
       sequence   (BLOCKED=False, OUT): from dht through all chunks, storing dS at each chunk's end as dh and dZ;
                  dS at t = 0 to dh0.
@@ -53,7 +53,7 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh
         i_t = first + count - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        wT = load_w(w, tok, c0 + i_t, i_h, H, K, ck, m_k, m_t, rows, TT, BT, W_FM)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
         r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)

@@ -247,7 +247,7 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
     f32 = {n: "*fp32" for n in ("w", "W", "Uv", "Arb", "Ark", "Aak", "Tinv", "h0", "h", "U", "ht", "dht", "dh",
                                 "dZ", "dh0", "dw", "Sb", "dSb", "Mb", "Nb", "s0", "s_end", "wf")}
     chunk = dict(H=16, K=K, BT=BT, BK=BK, PREC=m.CHUNK_PREC, V=V, BV=BV, LEVELS=BT.bit_length() - 1)
-    scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC, L=m.BLOCK_CHUNKS)
+    scan = dict(H=16, K=K, V=V, BT=BT, BK=BK, BV=SBV, PREC=m.PREC, L=m.BLOCK_CHUNKS, W_FM=m.W_FEATURE_MAJOR)
     # the blocked scan's per-block roles (wide tiles: one program per block, head and tile), and its sequential part
     # at the narrowest tile it takes
     fwd_seq = dict(scan, BLOCKED=False, OUT=True, HAS_H0=True, STORE_HT=True)
@@ -258,7 +258,7 @@ def compile_for_sm90(K: int, V: int, what: str = "shared") -> dict:
     block_scan = dict(H=16, K=K, V=V, BL=BT * m.BLOCK_CHUNKS, BK=BK, BV=16, PREC=m.PREC, HAS_S0=True,
                       STORE_END=True)
     other = f"LEVEL_SUMS={not m.LEVEL_SUMS}"
-    wf = m.W_FEATURE_MAJOR   # _fwd_prep stores w feature-major, _bwd_chunk reads it
+    wf = m.W_FEATURE_MAJOR   # _fwd_prep stores w feature-major, the scans and _bwd_chunk read it
     sw = m.SCAN_WARPS
     kernels = {
         "_fwd_prep": sm90.build(_fwd_prep, dict(chunk, SUMS=m.LEVEL_SUMS, STORE_WF=wf), m.PREP_WARPS, f32,
@@ -370,8 +370,8 @@ def test_gpu_matches_cpu_torch_path():
 
 @pytest.mark.parametrize("feature_major", [False, True])
 def test_triton_interpreter_w_layouts(feature_major, monkeypatch, interp):
-    # _bwd_chunk reading w from [T, H, K] or from the feature-major copy [H, K, T] _fwd_prep stores: packed
-    # sequences whose chunks end mid-row of the copy, K != V, stress decays
+    # the scans and _bwd_chunk reading w from [T, H, K] or from the feature-major copy by chunk that _fwd_prep
+    # stores: packed sequences with short last chunks, K != V, stress decays
     import kernels.rwkv7 as mod
     monkeypatch.setattr(mod, "W_FEATURE_MAJOR", feature_major)
     lens = [5, 40, 19]
