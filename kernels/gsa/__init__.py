@@ -46,6 +46,11 @@ FEED_SCAN = True
 # keeps 10) and each scan step is two bf16 products whose operands the tensor cores read from shared memory as they
 # were loaded; a tf32 product needs both transposed through registers first (fp32 inputs keep the tf32 step).
 SPLIT_SCAN = True
+# With FEED_SCAN: _gate_factors also stores g slot-major by chunk ([H, M, chunks x BT], each chunk's tokens contiguous),
+# and _fwd_out and _bwd_dz read that copy: their cumulative sums over a chunk's tokens then stay within a warp instead
+# of crossing the warps through shared memory (fwd.load_gates_by_chunk). _bwd_dkvsg keeps reading g: on the copy it
+# spilled 1.6 KB of registers per thread (sm_90, offline).
+G_SLOT_MAJOR = True
 
 
 def _split(*xs) -> bool:
@@ -102,17 +107,20 @@ def _dims(q, v, s):
 
 
 def _gate_factors(s, g, cu, tables, split):
-    """(s e^{sum_{j>t} g_j} [1, T, H, M] fp32, or [1, T, H, 2M] bf16 halves when split; e^{G_C} [NT, H, M]) for the
-    fed forward scans, or (s, None) unfed."""
+    """(s e^{sum_{j>t} g_j} [1, T, H, M] fp32, or [1, T, H, 2M] bf16 halves when split; e^{G_C} [NT, H, M]; g
+    slot-major by chunk [H, M, NT x BT] or None) for the fed forward scans, or (s, None, None) unfed."""
     if not FEED_SCAN:
-        return s, None
+        return s, None, None
     from kernels.gsa.fwd import _gate_factors as kernel
 
     H, M = g.shape[2], g.shape[3]
+    BT, NT = _chunk(M), tables[2]
     sE = _fed(g, split)
-    egc = torch.empty(tables[2], H, M, device=g.device, dtype=torch.float32)
-    kernel[(tables[2], H)](s, g, cu, tables[1], sE, egc, H=H, M=M, BT=_chunk(M), BM=_slots(M), SPLIT=split)
-    return sE, egc
+    egc = torch.empty(NT, H, M, device=g.device, dtype=torch.float32)
+    gf = torch.empty(H, M, NT * BT, device=g.device, dtype=torch.float32) if G_SLOT_MAJOR else None
+    kernel[(NT, H)](s, g, cu, tables[1], sE, egc, gf, NT * BT, H=H, M=M, BT=BT, BM=_slots(M), SPLIT=split,
+                    STORE_GF=gf is not None)
+    return sE, egc, gf
 
 
 def _fed(g, split):
@@ -126,19 +134,20 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     from kernels.gsa.fwd import _fwd_out
 
     split = _split(k, v)
-    sE, egc = _gate_factors(s, g, cu, tables, split)
+    sE, egc, gf = _gate_factors(s, g, cu, tables, split)
     (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc, split)
     o = torch.empty_like(v)
     # the softmax p and the slot logits, kept for the backward (fp32 [T, H, M]): recomputing them there took
     # longer (H100, B=8 T=4096: 4.04 ms fwd+bwd against 3.91)
     p, z = (torch.empty(g.shape, device=g.device, dtype=torch.float32) for _ in range(2))
     for npass in ((1, 2) if OUT_PASSES == 2 else (0,)):
-        _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g, cu, tables[1], hk, hv, o, p, z, scale, PASS=npass,
+        _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g if gf is None else gf, cu, tables[1], hk, hv, o, p, z,
+                                          scale, tables[2] * _chunk(g.shape[3]), PASS=npass, G_SM=gf is not None,
                                           **dict(_dims(q, v, s), num_warps=OUT_WARPS))
-    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z)
+    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z, gf)
 
 
-def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z):
+def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf):
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
 
     (hk, _), (hv, _) = _scan(g, cu, tables, (s if sE is None else sE, k, hk0), (s if sE is None else sE, v, hv0),
@@ -149,7 +158,8 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     split = egc is not None and _split(q, do)
     pe, dze = (_fed(g, split) for _ in range(2)) if egc is not None else (p, dz)
     dims = _dims(q, v, s)
-    _bwd_dz[grid](v, s, g, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, scale, FEED=egc is not None, SPLIT=split,
+    _bwd_dz[grid](v, s, g if gf is None else gf, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, scale,
+                  tables[2] * dims["BT"], FEED=egc is not None, SPLIT=split, G_SM=gf is not None,
                   **{n: x for n, x in dims.items() if n not in ("K", "BK")})   # it reads no key-side tensor
     (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
                                      split)

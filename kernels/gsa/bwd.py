@@ -15,14 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, load_rows, load_state, pair_matrix,
-                             store_rows, store_split)
+from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, load_gates_by_chunk, load_rows,
+                             load_state, pair_matrix, store_rows, store_split)
 
 
 @triton.jit
-def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, scale,
+def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, scale, TT,
             H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr):
+            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
+            G_SM: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -34,7 +35,10 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
     cm = tl.arange(0, BM)
     m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    if G_SM:   # g is the slot-major copy
+        b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    else:
+        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     eG = tl.exp(tl.cumsum(b_g, axis=0))
     hbase = (i_c * H + i_h).to(tl.int64) * M
     # the forward's softmax p and slot logits Zr (kept by _fwd_out: recomputing them costs Hk, q and k here)

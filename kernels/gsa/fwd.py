@@ -61,6 +61,24 @@ def load_gates(g, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, eos,
 
 
 @triton.jit
+def g_by_chunk(i_c, i_h, M: tl.constexpr, cm, rows, TT, BT: tl.constexpr):
+    """[BM, BT] offsets of chunk i_c in the slot-major copy of g, [H, M, TT] with TT = chunks x BT: the chunk's
+    tokens at columns i_c BT + rows (padded rows hold 0), so each chunk starts 16-byte aligned."""
+    return (i_h * M + cm[:, None]).to(tl.int64) * TT + (i_c * BT + rows)[None, :]
+
+
+@triton.jit
+def load_gates_by_chunk(gf, i_c, i_h, M: tl.constexpr, cm, m_m, rows, TT, BT: tl.constexpr):
+    """load_gates from the slot-major copy (_gate_factors stores it): the same [BT, BM] tiles, but with the tokens
+    contiguous they load along a warp's lanes and the sums over the chunk stay within a warp; loaded from [T, H, M]
+    (slots contiguous) the chunk's tokens span the warps and every such sum goes through shared memory."""
+    p = gf + g_by_chunk(i_c, i_h, M, cm, rows, TT, BT)
+    b_g = tl.trans(tl.load(p, mask=m_m[:, None], other=0.))
+    b_gn = tl.trans(tl.load(p + 1, mask=m_m[:, None] & (rows < BT - 1)[None, :], other=0.))
+    return b_g, b_gn
+
+
+@triton.jit
 def level(b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
     """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its first
     half) factor through the block's middle as e^{sum_{r<j<=t} g_j} e^{sum_{s<j<=r} g_j} (r: the first half's last
@@ -226,10 +244,11 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
 
 
 @triton.jit
-def _gate_factors(s, g, cu, chunk_index, sE, egc,
-                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
+def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
+                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
+                  STORE_GF: tl.constexpr):
     """Per chunk (FEED_SCAN): the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j}, and
-    e^{G_C}, so that the scans' sequential loops only load them."""
+    e^{G_C}, so that the scans' sequential loops only load them; with STORE_GF also g slot-major (g_by_chunk)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -240,6 +259,8 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc,
     cm = tl.arange(0, BM)
     m_m = cm < M
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    if STORE_GF:
+        tl.store(gf + tl.trans(g_by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     b_sE = b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
     if SPLIT:
@@ -250,11 +271,12 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc,
 
 
 @triton.jit
-def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, scale,
+def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, scale, TT,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-             PASS: tl.constexpr):
-    """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p."""
+             PASS: tl.constexpr, G_SM: tl.constexpr):
+    """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p.
+    G_SM: g is the slot-major copy (load_gates_by_chunk)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -266,7 +288,10 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, scale,
     cm = tl.arange(0, BM)
     m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    if G_SM:
+        b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    else:
+        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     G = tl.cumsum(b_g, axis=0)
     hbase = (i_c * H + i_h).to(tl.int64) * M
     if PASS == 2:

@@ -267,6 +267,17 @@ def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
                  run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, f"fed scans, {case}")
 
 
+@pytest.mark.parametrize("slot_major", [False, True])
+def test_triton_interpreter_gate_layouts(slot_major, monkeypatch, interp):
+    # _fwd_out and _bwd_dz reading g from [T, H, M] or from the slot-major copy by chunk that _gate_factors stores:
+    # packed sequences with short last chunks, stress decays
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "G_SLOT_MAJOR", slot_major)
+    cu = torch.tensor([0, 5, 45, 64])
+    xs, h0 = make_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=15)
+    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"slot_major={slot_major}")
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_triton_interpreter_bf16_split_scans(split, monkeypatch, interp):
     # bf16 inputs: the scans' fed weights travel as bf16 halves hi + lo (SPLIT_SCAN). The final states come from the
@@ -307,18 +318,20 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''}{', SPLIT_SCAN' if split else ''})"] = k
     for split in (False, True):
         out[f"_gate_factors (FEED_SCAN{', SPLIT_SCAN' if split else ''})"] = sm90.build(
-            _gate_factors, dict(H=4, M=M, BT=BT, BM=BM, SPLIT=split), 4,
-            types={"g": "*fp32", "sE": "*bf16" if split else "*fp32", "egc": "*fp32"})
+            _gate_factors, dict(H=4, M=M, BT=BT, BM=BM, SPLIT=split, STORE_GF=gsa.G_SLOT_MAJOR), 4,
+            types={"g": "*fp32", "sE": "*bf16" if split else "*fp32", "egc": "*fp32", "gf": "*fp32"})
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
     f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p", "z", "p_out", "z_out", "dz_out", "p_in", "dz_in",
                                 "dg", "pe_out", "dze_out")}
+    g_sm = gsa.FEED_SCAN and gsa.G_SLOT_MAJOR   # g's slot-major copy (made by _gate_factors, FEED_SCAN's kernel)
     for npass in (0, 1, 2):
-        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass), gsa.OUT_WARPS, types=f32)
+        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm), gsa.OUT_WARPS,
+                                                     types=f32)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
     for feed, split in ((False, False), (True, False), (True, True)):
         out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
-            _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split), gsa.CHUNK_WARPS,
+            _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split, G_SM=feed and g_sm), gsa.CHUNK_WARPS,
             types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})))
     out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, consts, gsa.CHUNK_WARPS, types=f32)
     return sm90.report(out, what)
@@ -399,7 +412,8 @@ def test_gpu_matches_cpu_torch_path():
 
 
 # The other settings the sweep times, in bf16 on the GPU.
-VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64)]
+VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64),
+            dict(G_SLOT_MAJOR=False)]
 
 
 @gpu
