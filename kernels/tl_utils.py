@@ -42,6 +42,14 @@ def store_cols(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t, m
 
 
 @triton.jit
+def by_chunk(i_c, i_h, D: tl.constexpr, feats, rows, TT, BT: tl.constexpr):
+    """[BD, BT] offsets of chunk i_c in a feature-major copy by chunk, [H, D, TT] with TT = chunks x BT: the chunk's
+    tokens at columns i_c BT + rows (padded rows hold 0), so every chunk starts 16-byte aligned and its tokens load
+    and store as vectors, along a warp's lanes (RWKV-7's w, GSA's g: kernels whose sums run over a chunk's tokens)."""
+    return (i_h * D + feats[:, None]).to(tl.int64) * TT + (i_c * BT + rows)[None, :]
+
+
+@triton.jit
 def chunk_bounds(cu, chunk_index, i_c, BT: tl.constexpr):
     """First token of global chunk i_c and the end of its sequence (chunks never straddle two sequences)."""
     i_n = tl.load(chunk_index + 2 * i_c)

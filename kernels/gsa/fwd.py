@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 # bwd.py imports these from here too
-from kernels.tl_utils import chunk_bounds, decay_on, diag_of, load_rows, load_rows_raw, store_rows  # noqa: F401
+from kernels.tl_utils import by_chunk, chunk_bounds, decay_on, diag_of, load_rows, load_rows_raw, store_rows  # noqa: F401
 
 
 @triton.jit
@@ -61,18 +61,11 @@ def load_gates(g, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, eos,
 
 
 @triton.jit
-def g_by_chunk(i_c, i_h, M: tl.constexpr, cm, rows, TT, BT: tl.constexpr):
-    """[BM, BT] offsets of chunk i_c in the slot-major copy of g, [H, M, TT] with TT = chunks x BT: the chunk's
-    tokens at columns i_c BT + rows (padded rows hold 0), so each chunk starts 16-byte aligned."""
-    return (i_h * M + cm[:, None]).to(tl.int64) * TT + (i_c * BT + rows)[None, :]
-
-
-@triton.jit
 def load_gates_by_chunk(gf, i_c, i_h, M: tl.constexpr, cm, m_m, rows, TT, BT: tl.constexpr):
     """load_gates from the slot-major copy (_gate_factors stores it): the same [BT, BM] tiles, but with the tokens
     contiguous they load along a warp's lanes and the sums over the chunk stay within a warp; loaded from [T, H, M]
     (slots contiguous) the chunk's tokens span the warps and every such sum goes through shared memory."""
-    p = gf + g_by_chunk(i_c, i_h, M, cm, rows, TT, BT)
+    p = gf + by_chunk(i_c, i_h, M, cm, rows, TT, BT)
     b_g = tl.trans(tl.load(p, mask=m_m[:, None], other=0.))
     b_gn = tl.trans(tl.load(p + 1, mask=m_m[:, None] & (rows < BT - 1)[None, :], other=0.))
     return b_g, b_gn
@@ -248,7 +241,7 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
                   H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
                   STORE_GF: tl.constexpr):
     """Per chunk (FEED_SCAN): the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j}, and
-    e^{G_C}, so that the scans' sequential loops only load them; with STORE_GF also g slot-major (g_by_chunk)."""
+    e^{G_C}, so that the scans' sequential loops only load them; with STORE_GF also g slot-major (tl_utils.by_chunk)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -260,7 +253,7 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
     m_m = cm < M
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     if STORE_GF:
-        tl.store(gf + tl.trans(g_by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
+        tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     b_sE = b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
     if SPLIT:

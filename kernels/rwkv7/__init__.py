@@ -79,7 +79,7 @@ def _blocked(sequences: int, H: int, V: int) -> bool:
 LEVEL_SUMS = True
 
 # _fwd_prep also stores w feature-major by chunk ([H, K, chunks x BT], each chunk's tokens contiguous and aligned:
-# fwd.w_by_chunk), and the scans and _bwd_chunk read that copy: their [BK, BT] log-decay tiles then hold a chunk's
+# tl_utils.by_chunk), and the scans and _bwd_chunk read that copy: their [BK, BT] log-decay tiles then hold a chunk's
 # tokens along a warp's lanes, so the cumulative sums over the chunk stay within a warp instead of crossing the 4
 # warps through shared memory. H100 fwd+bwd: B=8 T=4096 4.81 -> 4.30 ms, B=2 T=16384 5.48 -> 4.91 (one run).
 W_FEATURE_MAJOR = True
@@ -113,7 +113,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = _scan_bv(V, N * H)
-    # the scans read w's feature-major copy too (TT: its row length, w_by_chunk)
+    # the scans read w's feature-major copy too (TT: its row length, tl_utils.by_chunk)
     scan = dict(H=H, K=K, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=NT * BT,
                 num_warps=SCAN_WARPS)
     tensors = (r, w if wf is None else wf, k, v, b, cu, chunk_offsets)

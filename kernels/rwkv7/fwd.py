@@ -22,27 +22,19 @@ import triton.language as tl
 
 # bwd.py imports these from here too
 from kernels.rwkv7.levels import level_split, level_sums
-from kernels.tl_utils import chunk_program, decay_on, diag_of, load_cols, load_rows, mm, spare_chunk, store_cols, store_rows  # noqa: F401
-
-
-@triton.jit
-def w_by_chunk(i_c, i_h, K: tl.constexpr, ck, rows, TT, BT: tl.constexpr):
-    """[BK, BT] offsets of chunk i_c in the feature-major copy of w, [H, K, TT] with TT = chunks x BT: chunk i_c's
-    tokens at columns i_c BT + rows (padded rows hold 0), so every chunk starts 16-byte aligned and its tokens load
-    and store as vectors."""
-    return (i_h * K + ck[:, None]).to(tl.int64) * TT + (i_c * BT + rows)[None, :]
+from kernels.tl_utils import by_chunk, chunk_program, decay_on, diag_of, load_cols, load_rows, mm, spare_chunk, store_cols, store_rows  # noqa: F401
 
 
 @triton.jit
 def load_w(w, tok, i_c, i_h, H: tl.constexpr, K: tl.constexpr, ck, m_k, m_t, rows, TT, BT: tl.constexpr,
            W_FM: tl.constexpr):
     """The chunk's log decays [BK, BT] (feature-major) from w [T, H, K], or with W_FM from its copy by chunks
-    (w_by_chunk). The copy's tokens are contiguous, so the tile loads with the tokens along a warp's lanes and the
+    (tl_utils.by_chunk). The copy's tokens are contiguous, so the tile loads with the tokens along a warp's lanes and the
     cumulative sums over the chunk stay within a warp; from [T, H, K] they span the 4 warps and go through shared
     memory (sm_90: _bwd_chunk 4472 -> 3616 instructions, 152 -> 40 spilled bytes; per scan step 1021 -> 947
     instructions forward, 951 -> 703 backward)."""
     if W_FM:
-        x = tl.load(w + w_by_chunk(i_c, i_h, K, ck, rows, TT, BT), mask=m_k[:, None], other=0.)
+        x = tl.load(w + by_chunk(i_c, i_h, K, ck, rows, TT, BT), mask=m_k[:, None], other=0.)
     else:
         x = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
     return x
@@ -72,7 +64,7 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
     g, ge, gC = chunk_decays(b_w)
     if STORE_WF:   # w feature-major by chunk for _bwd_chunk (load_w)
-        tl.store(wf + tl.trans(w_by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
+        tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
 
     # Pairwise matrices A_xy[t, s] = sum_k x_tk y_sk exp(gx_tk - g_sk) by halving: at each level, a pair (t, s)
     # straddling the middle of its block factors through that middle row m as exp(gx_t - g_m) * exp(g_m - g_s),
