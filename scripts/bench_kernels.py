@@ -134,8 +134,8 @@ def profile(fn, inputs, label):
 
 # Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
 # one per process: an illegal memory access poisons the CUDA context for the settings after it).
-SWEEP = [dict(W_FEATURE_MAJOR=False), dict(BLOCK_MAP_BV=64), dict(BLOCK_SCAN=True), dict(BLOCK_SCAN=False), dict(SCAN_WARPS=8), dict(SCAN_BV=32),
-         dict(BWD_WARPS=8), dict(PREP_MAXNREG=128), dict(PREP_MAXNREG=None), dict(LEVEL_SUMS=False),
+SWEEP = [dict(W_FEATURE_MAJOR=False), dict(BLOCK_MAP_BV=64), dict(BLOCK_SCAN=True), dict(BLOCK_SCAN=False),
+         dict(SCAN_WARPS=8), dict(SCAN_BV=32), dict(BWD_WARPS=8), dict(PREP_MAXNREG=128), dict(PREP_MAXNREG=None), dict(LEVEL_SUMS=False),
          dict(CHUNK_PREC="bf16"), dict(BLOCK_CHUNKS=16), dict(BLOCK_CHUNKS=64), dict(BLOCK_BV=32),
          dict(BLOCK_MAP_WARPS=8)]
 

@@ -102,8 +102,9 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
     W = torch.empty(1, T, H, K, **f32)
     Uv = torch.empty(1, T, H, V, **f32)
     Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
-    wf = torch.empty(H, K, NT * BT, **f32) if W_FEATURE_MAJOR else None
-    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, NT * BT,
+    TT = NT * BT   # the row length of w's feature-major copy (tl_utils.by_chunk)
+    wf = torch.empty(H, K, TT, **f32) if W_FEATURE_MAJOR else None
+    _fwd_prep[(NT, H)](r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
                        H=H, K=K, V=V, BT=BT, BK=BK, BV=min(CHUNK_BV, max(16, next_pow2(V))),
                        LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), SUMS=LEVEL_SUMS, STORE_WF=wf is not None,
                        num_warps=PREP_WARPS,
@@ -113,8 +114,8 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks):
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = _scan_bv(V, N * H)
-    # the scans read w's feature-major copy too (TT: its row length, tl_utils.by_chunk)
-    scan = dict(H=H, K=K, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=NT * BT,
+    # the scans read w's feature-major copy too
+    scan = dict(H=H, K=K, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=TT,
                 num_warps=SCAN_WARPS)
     tensors = (r, w if wf is None else wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
@@ -159,7 +160,8 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht):
     dZ = torch.empty(1, T, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = _scan_bv(V, N * H)
-    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=NT * BT,
+    TT = NT * BT   # the row length of w's feature-major copy
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=BLOCK_CHUNKS, PREC=PREC, W_FM=wf is not None, TT=TT,
                 num_warps=SCAN_WARPS)
     tensors = (r, w if wf is None else wf, a, b, do, cu, chunk_offsets)
     if blocks is None:
@@ -186,7 +188,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht):
     dv = torch.empty_like(v)
     BV = min(CHUNK_BV, max(16, next_pow2(V)))
     _bwd_chunk[(NT, H)](r, w if wf is None else wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-                        dr, dw, dk, dv, da, db, scale, NT * BT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+                        dr, dw, dk, dv, da, db, scale, TT, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
                         LEVELS=BT.bit_length() - 1, PREC=_chunk_prec(), W_FM=wf is not None,
                         num_warps=BWD_WARPS)
     return dr, dw, dk, dv, da, db, dh0

@@ -380,7 +380,6 @@ def test_triton_interpreter_w_layouts(feature_major, monkeypatch, interp):
     assert_close(run(interp, xs, h0, 0.9, cu), naive(xs, h0, 0.9, cu), CPU_TOL, f"feature_major={feature_major}")
 
 
-
 # The other settings the sweep times, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
 # sequences with K != V.
 VARIANTS = [dict(LEVEL_SUMS=False), dict(PREP_MAXNREG=None), dict(PREP_MAXNREG=128), dict(BLOCK_SCAN=False),
