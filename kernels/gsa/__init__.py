@@ -30,6 +30,8 @@ CHUNK: int | None = None
 PREC = "tf32"
 SCAN_BD: int | None = None   # D tile of the state scans (None: kernels.utils.scan_tile's choice)
 SCAN_WARPS = 4
+# The fed scans load the next chunk's e^{G_C} before the step's state store instead of after it (fwd.scan_tile)
+EGC_EARLY = True
 # Warps of the backward's per-chunk kernels (fewer register spills than 4 in ptxas' report; H100, B=8 T=4096:
 # 3.91 ms fwd+bwd against 5.91 with 4) and of the forward's _fwd_out (forward 1.16 ms against 1.41 with 8).
 CHUNK_WARPS = 8
@@ -95,7 +97,7 @@ def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None, split=False)
     _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, egc, cu, chunk_offsets,
                       H=H, M=M, D1=D1, D2=D2, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
                       HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, FEED=egc is not None,
-                      SPLIT=split, EXACT=is_interpreting(), num_warps=SCAN_WARPS)
+                      SPLIT=split, EXACT=is_interpreting(), EGC_EARLY=EGC_EARLY, num_warps=SCAN_WARPS)
     return out
 
 

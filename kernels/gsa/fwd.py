@@ -156,7 +156,8 @@ def slot_softmax(Z, m_t, m_m):
 def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-              PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
+              PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
+              EGC_EARLY: tl.constexpr):
     """One [BM, BD] tile of one state, all of a sequence's chunks in order.
     Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
     REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
@@ -181,7 +182,10 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     nt = tl.cdiv(eos - bos, BT)
     # e^{G_C} only scales the state, so the compiler does not prefetch it: loaded a chunk ahead by hand, into its
     # register only after the value there was used (loaded while still in use, ptxas copied the register at the
-    # end of each step, which waited for the load: 57% of the scan's stall samples at B=2 T=16384)
+    # end of each step, which waited for the load: 57% of the scan's stall samples at B=2 T=16384). EGC_EARLY: and
+    # before the step's state store, which the compiler does not move a load across (the pointers might alias):
+    # issued after it, the load had only the step's products to land in, and the next step's first use of it took
+    # 34% of the scan's stall samples (B=8 T=4096, ncu).
     if FEED:
         e_GC = tl.load(egc + ((c0 + (nt - 1 if REVERSE else 0)) * H + i_h).to(tl.int64) * M + cm,
                        mask=m_m & (cm * 0 < nt), other=1.)
@@ -203,14 +207,18 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
                 b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
         elif not SPLIT:
             b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
+        acc = e_GC[:, None] * S
+        if FEED and EGC_EARLY:
+            e_GC = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
+                           mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
         tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
         if SPLIT:
             b_x = load_rows_raw(x, tok, i_h, H, D, cd, m_t, m_d)
-            S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, e_GC[:, None] * S, EXACT)
+            S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, acc, EXACT)
         else:
             b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
-            S = e_GC[:, None] * S + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
-        if FEED:
+            S = acc + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
+        if FEED and not EGC_EARLY:
             e_GC = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
                            mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
     if STORE_HT:
@@ -222,7 +230,7 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
                 STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
-                EXACT: tl.constexpr):
+                EXACT: tl.constexpr, EGC_EARLY: tl.constexpr):
     """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
     first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
     alone; launched together the two run side by side instead of one after the other."""
@@ -230,10 +238,10 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
         scan_tile(w1, g, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
-                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT)
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY)
     else:
         scan_tile(w2, g, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
-                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT)
+                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY)
 
 
 @triton.jit

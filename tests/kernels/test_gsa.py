@@ -248,13 +248,15 @@ def test_triton_kernel_under_torch_compile(interp):
     assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
-@pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles"])
+@pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles", "e^GC late"])
 def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
     # FEED_SCAN: the scans load their inputs with the decays applied and e^{G_C} per chunk
     import kernels.gsa as mod
     monkeypatch.setattr(mod, "FEED_SCAN", True)
     cu, final_used, K, V = None, (True, True), 32, 32
-    if case == "varlen":
+    if case == "e^GC late":   # the next chunk's e^{G_C} loaded after the step's store (EGC_EARLY=False), packed
+        monkeypatch.setattr(mod, "EGC_EARLY", False)
+    if case in ("varlen", "e^GC late"):
         cu = torch.tensor([0, 33, 40, 90])
     if case == "one final state":
         final_used = (False, True)
@@ -312,7 +314,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             w = "*bf16" if split or not (rev or feed) else "*fp32"
             k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
                                              HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed, SPLIT=split,
-                                             EXACT=False), gsa.SCAN_WARPS,
+                                             EXACT=False, EGC_EARLY=gsa.EGC_EARLY), gsa.SCAN_WARPS,
                            types={"w1": w, "w2": w, "g": "*fp32", "egc": "*fp32",
                                   **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
             out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''}{', SPLIT_SCAN' if split else ''})"] = k
@@ -413,7 +415,7 @@ def test_gpu_matches_cpu_torch_path():
 
 # The other settings the sweep times, in bf16 on the GPU.
 VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64),
-            dict(G_SLOT_MAJOR=False)]
+            dict(G_SLOT_MAJOR=False), dict(EGC_EARLY=False)]
 
 
 @gpu
