@@ -15,15 +15,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gsa.fwd import (chunk_bounds, gated_sum, gated_sum_t, load_gates, load_gates_by_chunk, load_rows,
-                             load_state, pair_matrix, store_rows, store_split)
+from kernels.gsa.fwd import (chunk_bounds, diag_of, gated_sum, gated_sum_t, level, load_gates, load_gates_by_chunk,
+                             load_rows, load_state, pair_matrix, store_rows, store_split)
 
 
 @triton.jit
-def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, scale, TT,
+def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, d2_out, scale, TT,
             H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
             BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
-            G_SM: tl.constexpr):
+            G_SM: tl.constexpr, STORE_D2: tl.constexpr):
+    """STORE_D2 (PAIRS_KERNEL): also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for _bwd_pairs."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -53,6 +54,8 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         D2 += tl.dot(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), input_precision=PREC)
         dPH += tl.dot(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), input_precision=PREC)
+    if STORE_D2:
+        store_rows(d2_out, D2, tok, i_h, H, BT, cols, m_t, cols < BT)
     dP = eG * dPH + gated_sum(D2, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
     dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
     # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
@@ -68,9 +71,56 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
 
 
 @triton.jit
+def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, a2_out, da1_out,
+               H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
+               PREC: tl.constexpr):
+    """(PAIRS_KERNEL) Everything of the backward that needs the pairwise decays within a chunk, apart from the
+    states: the pair matrices A2 (p against s) and dA1 (dZr against s), and ds's part within the chunk,
+    gated_sum_t(A1, dZr) + gated_sum_t(D2, P) (A1 = q k^T kept by _fwd_out, D2 = do v^T by _bwd_dz)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+        return
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    m_c = cols < BT
+    cm = tl.arange(0, BM)
+    m_m = cm < M
+    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
+    dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
+    A1 = load_rows(a1, tok, i_h, H, BT, cols, m_t, m_c)
+    D2 = load_rows(d2, tok, i_h, H, BT, cols, m_t, m_c)
+    # the four products level by level, so that each level's decays die with it
+    on_diag = rows[:, None] == cols[None, :]
+    A2 = tl.where(on_diag, tl.sum(P * b_s, axis=1)[:, None], 0.)
+    dA1 = tl.where(on_diag, tl.sum(dZr * b_s, axis=1)[:, None], 0.)
+    dsi = diag_of(A1, rows, cols)[:, None] * dZr + diag_of(D2, rows, cols)[:, None] * P
+    for lvl in tl.static_range(LEVELS):
+        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
+        Sc = tl.trans(b_s * e_col)
+        Pr = P * e_row
+        Zr = dZr * e_row
+        A2 += tl.where(pair, tl.dot(Pr, Sc, input_precision=PREC), 0.)
+        dA1 += tl.where(pair, tl.dot(Zr, Sc, input_precision=PREC), 0.)
+        dsi += e_col * (tl.dot(tl.trans(tl.where(pair, A1, 0.)), Zr, input_precision=PREC)
+                        + tl.dot(tl.trans(tl.where(pair, D2, 0.)), Pr, input_precision=PREC))
+    store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, m_c)
+    store_rows(da1_out, dA1, tok, i_h, H, BT, cols, m_t, m_c)
+    store_rows(dsi_out, dsi, tok, i_h, H, M, cm, m_t, m_m)
+
+
+@triton.jit
 def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in, dq, dk, dv, ds, dg,
+               dsi, a2, da1, TT,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
+               PAIRS: tl.constexpr, G_SM: tl.constexpr):
+    """PAIRS: A2, dA1 and ds's part within the chunk come from _bwd_pairs, and this kernel forms no pairwise decay
+    (G_SM: g is the slot-major copy); otherwise it forms them itself."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -82,16 +132,23 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
     cm = tl.arange(0, BM)
     m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    if G_SM:
+        b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    else:
+        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     GC = tl.sum(b_g, axis=0)
     e_end = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))   # e^{sum_{j>t} g_j}: decay to the chunk end
     eG = tl.exp(tl.cumsum(b_g, axis=0))                      # e^{G_t}: decay from the chunk start
     s_end = b_s * e_end
-    P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
     dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
-    A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
-    # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
-    dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    if PAIRS:
+        A2 = load_rows(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
+        dA1 = load_rows(da1, tok, i_h, H, BT, cols, m_t, cols < BT)
+    else:
+        P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
+        A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+        # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
+        dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
     dZe = dZr * eG
     hbase = (i_c * H + i_h).to(tl.int64) * M
     A1 = tl.zeros([BT, BT], dtype=tl.float32)
@@ -105,7 +162,8 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         b_h = load_state(hk, hbase * K, cm, ck, K, m_m, m_k)
         b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
-        A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        if not PAIRS:
+            A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
         b_dq = tl.dot(dZe, b_h, input_precision=PREC) + tl.dot(dA1, b_k, input_precision=PREC)
@@ -118,14 +176,18 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
         b_dh = load_state(dhv, hbase * V, cm, cv, V, m_m, m_v)
-        D2 += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        if not PAIRS:
+            D2 += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
         dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(load_state(hv, hbase * V, cm, cv, V, m_m, m_v) * b_dh, axis=1)
         b_dv = tl.dot(tl.trans(A2), b_do, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end
-    b_ds = dS_end + gated_sum_t(A1, dZr, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC) \
-        + gated_sum_t(D2, P, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    if PAIRS:
+        b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)
+    else:
+        b_ds = dS_end + gated_sum_t(A1, dZr, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC) \
+            + gated_sum_t(D2, P, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
     # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row
     dGC = dGC * tl.exp(GC) + tl.sum(b_s * dS_end, axis=0)
     dG = load_rows(dg, tok, i_h, H, M, cm, m_t, m_m) - b_s * b_ds \

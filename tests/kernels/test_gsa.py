@@ -269,6 +269,17 @@ def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
                  run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, f"fed scans, {case}")
 
 
+@pytest.mark.parametrize("pairs_kernel", [False, True])
+def test_triton_interpreter_pairs_kernel(pairs_kernel, monkeypatch, interp):
+    # the backward's pairwise-decay work in _bwd_pairs (from A1 kept by _fwd_out, D2 by _bwd_dz) or in _bwd_dkvsg:
+    # packed sequences with short last chunks, stress decays, initial states
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "PAIRS_KERNEL", pairs_kernel)
+    cu = torch.tensor([0, 5, 45, 64])
+    xs, h0 = make_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=16)
+    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"{pairs_kernel=}")
+
+
 @pytest.mark.parametrize("slot_major", [False, True])
 def test_triton_interpreter_gate_layouts(slot_major, monkeypatch, interp):
     # _fwd_out and _bwd_dz reading g from [T, H, M] or from the slot-major copy by chunk that _gate_factors stores:
@@ -301,7 +312,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     """Every GSA kernel at the shipped chunk / warps, compiled for sm_90: {kernel: shared memory bytes}, or
     registers / stack / shared with what="resources"."""
     import kernels.gsa as gsa
-    from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz
+    from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
     from kernels.gsa.fwd import _fwd_out, _gate_factors, _state_scan
 
     why = sm90.unavailable()
@@ -325,17 +336,23 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
                   LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
     f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p", "z", "p_out", "z_out", "dz_out", "p_in", "dz_in",
-                                "dg", "pe_out", "dze_out")}
+                                "dg", "pe_out", "dze_out", "a1_out", "d2_out", "a1", "d2", "dsi_out", "a2_out",
+                                "da1_out", "dsi", "a2", "da1")}
+    pairs = gsa.PAIRS_KERNEL
     g_sm = gsa.FEED_SCAN and gsa.G_SLOT_MAJOR   # g's slot-major copy (made by _gate_factors, FEED_SCAN's kernel)
     for npass in (0, 1, 2):
-        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm), gsa.OUT_WARPS,
-                                                     types=f32)
+        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm, STORE_A1=pairs),
+                                                     gsa.OUT_WARPS, types=f32)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
     for feed, split in ((False, False), (True, False), (True, True)):
         out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
-            _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split, G_SM=feed and g_sm), gsa.CHUNK_WARPS,
+            _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split, G_SM=feed and g_sm, STORE_D2=pairs), gsa.CHUNK_WARPS,
             types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})))
-    out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, consts, gsa.CHUNK_WARPS, types=f32)
+    if pairs:
+        out["_bwd_pairs"] = sm90.build(_bwd_pairs, {n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC")},
+                                       gsa.CHUNK_WARPS, types=f32)
+    out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, dict(consts, PAIRS=pairs, G_SM=pairs and g_sm), gsa.CHUNK_WARPS,
+                                   types=f32)
     return sm90.report(out, what)
 
 
@@ -344,7 +361,7 @@ def test_triton_kernels_compile_for_h100(M):
     sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M})", GSA_KERNELS)
 
 
-GSA_KERNELS = 15   # compile_for_sm90's builds
+GSA_KERNELS = 16   # compile_for_sm90's builds
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
@@ -415,7 +432,8 @@ def test_gpu_matches_cpu_torch_path():
 
 # The other settings the sweep times, in bf16 on the GPU.
 VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64),
-            dict(G_SLOT_MAJOR=False), dict(EGC_EARLY=False)]
+            dict(G_SLOT_MAJOR=False), dict(EGC_EARLY=False), dict(PAIRS_KERNEL=False),
+            dict(PAIRS_STREAM=False)]
 
 
 @gpu
