@@ -40,6 +40,13 @@ PAIRS_KERNEL = True
 # On CUDA, _bwd_pairs runs on a second stream beside the backward's reverse state scan (independent of it; the scan
 # has about two programs per SM and leaves registers and shared memory for one of _bwd_pairs' blocks).
 PAIRS_STREAM = True
+# Register caps (ptxas maxnreg; None: none) of the per-chunk kernels: at 128 registers two blocks of 8 warps fit on
+# an SM instead of one. sm_90: _bwd_dkvsg 176 -> 128 registers with 16 spilled bytes, _bwd_pairs 191 -> 128 with
+# 200. H100, B=8 T=4096 fwd+bwd: 3.07 -> 2.89 ms with _bwd_dkvsg's cap (0.91 -> 0.73 ms), 2.82 with both.
+DKVSG_MAXNREG: int | None = 128
+PAIRS_MAXNREG: int | None = 128
+DZ_MAXNREG: int | None = None    # _bwd_dz: 128 spills 584 bytes
+OUT_MAXNREG: int | None = None   # _fwd_out (4 warps, two blocks per SM uncapped): 168 spills 184-512 bytes
 # Warps of the backward's per-chunk kernels (fewer register spills than 4 in ptxas' report; H100, B=8 T=4096:
 # 3.91 ms fwd+bwd against 5.91 with 4) and of the forward's _fwd_out (forward 1.16 ms against 1.41 with 8).
 CHUNK_WARPS = 8
@@ -61,6 +68,10 @@ SPLIT_SCAN = True
 # of crossing the warps through shared memory (fwd.load_gates_by_chunk). H100 B=8 T=4096 fwd+bwd 3.36 -> 3.14 ms.
 # _bwd_dkvsg keeps reading g: on the copy it spilled 1.6 KB of registers per thread (sm_90, offline).
 G_SLOT_MAJOR = True
+
+
+def _cap(maxnreg):
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 def _split(*xs) -> bool:
@@ -155,7 +166,8 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     for npass in ((1, 2) if OUT_PASSES == 2 else (0,)):
         _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g if gf is None else gf, cu, tables[1], hk, hv, o, p, z, a1,
                                           scale, tables[2] * BT, PASS=npass, G_SM=gf is not None,
-                                          STORE_A1=a1 is not None, **dict(_dims(q, v, s), num_warps=OUT_WARPS))
+                                          STORE_A1=a1 is not None, **_cap(OUT_MAXNREG),
+                                          **dict(_dims(q, v, s), num_warps=OUT_WARPS))
     return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z, gf, a1)
 
 
@@ -174,7 +186,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     pairs = a1 is not None
     d2 = torch.empty_like(a1) if pairs else None
     _bwd_dz[grid](v, s, g if gf is None else gf, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, d2, scale, TT,
-                  FEED=egc is not None, SPLIT=split, G_SM=gf is not None, STORE_D2=pairs,
+                  FEED=egc is not None, SPLIT=split, G_SM=gf is not None, STORE_D2=pairs, **_cap(DZ_MAXNREG),
                   **{n: x for n, x in dims.items() if n not in ("K", "BK")})   # it reads no key-side tensor
     dsi = a2 = da1 = None
     main = side = torch.cuda.current_stream() if q.is_cuda and PAIRS_STREAM else None
@@ -185,7 +197,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
             side.wait_stream(main)
         with torch.cuda.stream(side):   # (None: the current stream)
             # g as it is, not its slot-major copy: the copy's layout spilled here (624 bytes against none, sm_90)
-            _bwd_pairs[grid](s, g, p, dz, a1, d2, cu, tables[1], dsi, a2, da1,
+            _bwd_pairs[grid](s, g, p, dz, a1, d2, cu, tables[1], dsi, a2, da1, **_cap(PAIRS_MAXNREG),
                              **{n: dims[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC", "num_warps")})
     (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
                                      split)
@@ -195,7 +207,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     g_sm = pairs and gf is not None   # without the levels, the copy's layout no longer spills (see G_SLOT_MAJOR)
     _bwd_dkvsg[grid](q, k, v, s, gf if g_sm else g, do, cu, tables[1], hk, hv, dhk, dhv, p, dz, dq, dk, dv, ds, dg,
-                     dsi, a2, da1, TT, PAIRS=pairs, G_SM=g_sm, **dims)
+                     dsi, a2, da1, TT, PAIRS=pairs, G_SM=g_sm, **_cap(DKVSG_MAXNREG if pairs else None), **dims)
     return dq, dk, dv, ds, dg, dhk0, dhv0
 
 

@@ -342,17 +342,17 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     g_sm = gsa.FEED_SCAN and gsa.G_SLOT_MAJOR   # g's slot-major copy (made by _gate_factors, FEED_SCAN's kernel)
     for npass in (0, 1, 2):
         out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm, STORE_A1=pairs),
-                                                     gsa.OUT_WARPS, types=f32)
+                                                     gsa.OUT_WARPS, types=f32, maxnreg=gsa.OUT_MAXNREG)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
     for feed, split in ((False, False), (True, False), (True, True)):
         out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
             _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split, G_SM=feed and g_sm, STORE_D2=pairs), gsa.CHUNK_WARPS,
-            types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})))
+            types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})), maxnreg=gsa.DZ_MAXNREG)
     if pairs:
         out["_bwd_pairs"] = sm90.build(_bwd_pairs, {n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC")},
-                                       gsa.CHUNK_WARPS, types=f32)
+                                       gsa.CHUNK_WARPS, types=f32, maxnreg=gsa.PAIRS_MAXNREG)
     out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, dict(consts, PAIRS=pairs, G_SM=pairs and g_sm), gsa.CHUNK_WARPS,
-                                   types=f32)
+                                   types=f32, maxnreg=gsa.DKVSG_MAXNREG if pairs else None)
     return sm90.report(out, what)
 
 
