@@ -32,10 +32,10 @@ SCAN_BD: int | None = None   # D tile of the state scans (None: kernels.utils.sc
 SCAN_WARPS = 4
 # The fed scans load the next chunk's e^{G_C} before the step's state store instead of after it (fwd.scan_tile)
 EGC_EARLY = True
-# The backward's pairwise-decay work apart from the states (the pair matrices A2, dA1 and ds's part within a chunk,
-# from A1 = q k^T kept by _fwd_out and D2 = do v^T kept by _bwd_dz, each fp32 [T, H, chunk]) in a kernel of its own,
-# _bwd_pairs: _bwd_dkvsg then only streams the states and the features. In one kernel, the levels' decays were held
-# across its K and V loops (255 registers, 224 spilled bytes per thread).
+# The backward's pairwise-decay work apart from the states (the pair matrix dA1 and ds's part within a chunk, from
+# A1 = q k^T kept by _fwd_out and D2 = do v^T kept by _bwd_dz, each fp32 [T, H, chunk]) in a kernel of its own,
+# _bwd_pairs, and A2 kept by _fwd_out: _bwd_dkvsg then only streams the states and the features. In one kernel, the
+# levels' decays were held across its K and V loops (255 registers, 224 spilled bytes per thread).
 PAIRS_KERNEL = True
 # On CUDA, _bwd_pairs runs on a second stream beside the backward's reverse state scan (independent of it; the scan
 # has about two programs per SM and leaves registers and shared memory for one of _bwd_pairs' blocks).
@@ -162,16 +162,18 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
     # longer (H100, B=8 T=4096: 4.04 ms fwd+bwd against 3.91)
     p, z = (torch.empty(g.shape, device=g.device, dtype=torch.float32) for _ in range(2))
     BT = _chunk(g.shape[3])
-    a1 = torch.empty(*g.shape[:3], BT, device=g.device, dtype=torch.float32) if PAIRS_KERNEL else None
+    # A1 = q k^T and A2 (p against s) for the backward's _bwd_pairs and _bwd_dkvsg (PAIRS_KERNEL)
+    a1, a2 = ((torch.empty(*g.shape[:3], BT, device=g.device, dtype=torch.float32) for _ in range(2)) if PAIRS_KERNEL
+              else (None, None))
     for npass in ((1, 2) if OUT_PASSES == 2 else (0,)):
         _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g if gf is None else gf, cu, tables[1], hk, hv, o, p, z, a1,
-                                          scale, tables[2] * BT, PASS=npass, G_SM=gf is not None,
-                                          STORE_A1=a1 is not None, **_cap(OUT_MAXNREG),
+                                          a2, scale, tables[2] * BT, PASS=npass, G_SM=gf is not None,
+                                          KEEP_A=a1 is not None, **_cap(OUT_MAXNREG),
                                           **dict(_dims(q, v, s), num_warps=OUT_WARPS))
-    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z, gf, a1)
+    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z, gf, a1, a2)
 
 
-def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1):
+def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2):
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
 
     (hk, _), (hv, _) = _scan(g, cu, tables, (s if sE is None else sE, k, hk0), (s if sE is None else sE, v, hv0),
@@ -188,16 +190,16 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     _bwd_dz[grid](v, s, g if gf is None else gf, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, d2, scale, TT,
                   FEED=egc is not None, SPLIT=split, G_SM=gf is not None, STORE_D2=pairs, **_cap(DZ_MAXNREG),
                   **{n: x for n, x in dims.items() if n not in ("K", "BK")})   # it reads no key-side tensor
-    dsi = a2 = da1 = None
+    dsi = da1 = None
     main = side = torch.cuda.current_stream() if q.is_cuda and PAIRS_STREAM else None
     if pairs:
-        dsi, a2, da1 = torch.empty(g.shape, **f32), torch.empty_like(a1), torch.empty_like(a1)
+        dsi, da1 = torch.empty(g.shape, **f32), torch.empty_like(a1)
         if main is not None:   # beside the reverse scan, which is independent of it
             side = torch.cuda.Stream(device=q.device)
             side.wait_stream(main)
         with torch.cuda.stream(side):   # (None: the current stream)
             # g as it is, not its slot-major copy: the copy's layout spilled here (624 bytes against none, sm_90)
-            _bwd_pairs[grid](s, g, p, dz, a1, d2, cu, tables[1], dsi, a2, da1, **_cap(PAIRS_MAXNREG),
+            _bwd_pairs[grid](s, g, p, dz, a1, d2, cu, tables[1], dsi, da1, **_cap(PAIRS_MAXNREG),
                              **{n: dims[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC", "num_warps")})
     (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
                                      split)

@@ -74,12 +74,12 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
 
 
 @triton.jit
-def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, a2_out, da1_out,
+def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
                H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
                PREC: tl.constexpr):
     """(PAIRS_KERNEL) Everything of the backward that needs the pairwise decays within a chunk, apart from the
-    states: the pair matrices A2 (p against s) and dA1 (dZr against s), and ds's part within the chunk,
-    gated_sum_t(A1, dZr) + gated_sum_t(D2, P) (A1 = q k^T kept by _fwd_out, D2 = do v^T by _bwd_dz)."""
+    states: the pair matrix dA1 (dZr against s) and ds's part within the chunk, gated_sum_t(A1, dZr) +
+    gated_sum_t(D2, P) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by _bwd_dz)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -97,21 +97,15 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, a2_out, da1_
     dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
     A1 = load_rows(a1, tok, i_h, H, BT, cols, m_t, m_c)
     D2 = load_rows(d2, tok, i_h, H, BT, cols, m_t, m_c)
-    # the four products level by level, so that each level's decays die with it
-    on_diag = rows[:, None] == cols[None, :]
-    A2 = tl.where(on_diag, tl.sum(P * b_s, axis=1)[:, None], 0.)
-    dA1 = tl.where(on_diag, tl.sum(dZr * b_s, axis=1)[:, None], 0.)
+    # the three products level by level, so that each level's decays die with it
+    dA1 = tl.where(rows[:, None] == cols[None, :], tl.sum(dZr * b_s, axis=1)[:, None], 0.)
     dsi = diag_of(A1, rows, cols)[:, None] * dZr + diag_of(D2, rows, cols)[:, None] * P
     for lvl in tl.static_range(LEVELS):
         e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
-        Sc = tl.trans(b_s * e_col)
-        Pr = P * e_row
         Zr = dZr * e_row
-        A2 += tl.where(pair, tl.dot(Pr, Sc, input_precision=PREC), 0.)
-        dA1 += tl.where(pair, tl.dot(Zr, Sc, input_precision=PREC), 0.)
+        dA1 += tl.where(pair, tl.dot(Zr, tl.trans(b_s * e_col), input_precision=PREC), 0.)
         dsi += e_col * (tl.dot(tl.trans(tl.where(pair, A1, 0.)), Zr, input_precision=PREC)
-                        + tl.dot(tl.trans(tl.where(pair, D2, 0.)), Pr, input_precision=PREC))
-    store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, m_c)
+                        + tl.dot(tl.trans(tl.where(pair, D2, 0.)), P * e_row, input_precision=PREC))
     store_rows(da1_out, dA1, tok, i_h, H, BT, cols, m_t, m_c)
     store_rows(dsi_out, dsi, tok, i_h, H, M, cm, m_t, m_m)
 
@@ -122,8 +116,8 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
                PAIRS: tl.constexpr, G_SM: tl.constexpr):
-    """PAIRS: A2, dA1 and ds's part within the chunk come from _bwd_pairs, and this kernel forms no pairwise decay
-    (G_SM: g is the slot-major copy); otherwise it forms them itself."""
+    """PAIRS: A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs, and this kernel forms no
+    pairwise decay (G_SM: g is the slot-major copy); otherwise it forms them itself."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)

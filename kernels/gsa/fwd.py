@@ -272,13 +272,13 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
 
 
 @triton.jit
-def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, scale, TT,
+def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2_out, scale, TT,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-             PASS: tl.constexpr, G_SM: tl.constexpr, STORE_A1: tl.constexpr):
+             PASS: tl.constexpr, G_SM: tl.constexpr, KEEP_A: tl.constexpr):
     """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p.
-    G_SM: g is the slot-major copy (load_gates_by_chunk). STORE_A1: also keep A1 = q k^T ([T, H, BT], row t of
-    the chunk's tile) for _bwd_dz (PAIRS_IN_DZ)."""
+    G_SM: g is the slot-major copy (load_gates_by_chunk). KEEP_A: also keep A1 = q k^T and A2 (p against s) for the
+    backward (PAIRS_KERNEL), each [T, H, BT]: row t of the chunk's tile."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -305,12 +305,14 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, sc
         # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
         store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
         store_rows(z_out, Zr, tok, i_h, H, M, cm, m_t, m_m)
-        if STORE_A1:
+        if KEEP_A:
             store_rows(a1_out, A1, tok, i_h, H, BT, cols, m_t, cols < BT)
     if PASS == 1:
         return
     # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
     A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    if KEEP_A:
+        store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
     Pe = P * tl.exp(G)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)

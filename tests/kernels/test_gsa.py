@@ -341,7 +341,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     pairs = gsa.PAIRS_KERNEL
     g_sm = gsa.FEED_SCAN and gsa.G_SLOT_MAJOR   # g's slot-major copy (made by _gate_factors, FEED_SCAN's kernel)
     for npass in (0, 1, 2):
-        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm, STORE_A1=pairs),
+        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm, KEEP_A=pairs),
                                                      gsa.OUT_WARPS, types=f32, maxnreg=gsa.OUT_MAXNREG)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
     for feed, split in ((False, False), (True, False), (True, True)):
