@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gsa.fwd import (chunk_bounds, diag_of, gated_sum, gated_sum_t, level, load_gates, load_gates_by_chunk,
-                             load_rows, load_state, pair_matrix, store_rows, store_split)
+from kernels.gsa.fwd import (diag_of, gated_sum, gated_sum_t, level, load_gates, load_gates_by_chunk, load_rows,
+                             load_state, pair_matrix, slot_program, spare_chunk, store_rows, store_split)
 
 
 @triton.jit
@@ -28,16 +28,10 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
             BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
             G_SM: tl.constexpr, STORE_D2: tl.constexpr):
     """STORE_D2 (PAIRS_KERNEL): also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for _bwd_pairs."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    rows = tl.arange(0, BT)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    cm = tl.arange(0, BM)
-    m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     if G_SM:   # g is the slot-major copy
         b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
@@ -80,17 +74,11 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     """(PAIRS_KERNEL) Everything of the backward that needs the pairwise decays within a chunk, apart from the
     states: the pair matrix dA1 (dZr against s) and ds's part within the chunk, gated_sum_t(A1, dZr) +
     gated_sum_t(D2, P) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by _bwd_dz)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    rows = tl.arange(0, BT)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
     m_c = cols < BT
-    cm = tl.arange(0, BM)
-    m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
@@ -118,16 +106,10 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
                PAIRS: tl.constexpr, G_SM: tl.constexpr):
     """PAIRS: A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs, and this kernel forms no
     pairwise decay (G_SM: g is the slot-major copy); otherwise it forms them itself."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    rows = tl.arange(0, BT)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    cm = tl.arange(0, BM)
-    m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     if G_SM:
         b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)

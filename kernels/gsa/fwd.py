@@ -18,7 +18,21 @@ import triton
 import triton.language as tl
 
 # bwd.py imports these from here too
-from kernels.tl_utils import by_chunk, chunk_bounds, decay_on, diag_of, load_rows, load_rows_raw, store_rows  # noqa: F401
+from kernels.tl_utils import (by_chunk, chunk_bounds, decay_on, diag_of, load_rows, load_rows_raw,  # noqa: F401
+                              spare_chunk, store_rows)
+
+
+@triton.jit
+def slot_program(cu, chunk_index, BT: tl.constexpr, BM: tl.constexpr, M: tl.constexpr):
+    """The prologue of a per-chunk program (grid: chunks x heads) on [BT, BM] tiles: its chunk and head, the end of
+    its sequence, row offsets and token indices with their mask (rows past the end are padding), slot offsets and
+    their mask."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    cm = tl.arange(0, BM)
+    return i_c, i_h, eos, rows, tok, tok < eos, cm, cm < M
 
 
 @triton.jit
@@ -250,15 +264,9 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
                   STORE_GF: tl.constexpr):
     """Per chunk (FEED_SCAN): the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j}, and
     e^{G_C}, so that the scans' sequential loops only load them; with STORE_GF also g slot-major (tl_utils.by_chunk)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    rows = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    cm = tl.arange(0, BM)
-    m_m = cm < M
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     if STORE_GF:
         tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
@@ -279,16 +287,10 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
     """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p.
     G_SM: g is the slot-major copy (load_gates_by_chunk). KEEP_A: also keep A1 = q k^T and A2 (p against s) for the
     backward (PAIRS_KERNEL), each [T, H, BT]: row t of the chunk's tile."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    if t0 >= eos:   # a spare program of a packed batch (kernels.utils.chunk_tables)
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    rows = tl.arange(0, BT)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    cm = tl.arange(0, BM)
-    m_m = cm < M
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     if G_SM:
         b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)

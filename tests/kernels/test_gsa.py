@@ -269,26 +269,18 @@ def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
                  run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, f"fed scans, {case}")
 
 
-@pytest.mark.parametrize("pairs_kernel", [False, True])
-def test_triton_interpreter_pairs_kernel(pairs_kernel, monkeypatch, interp):
-    # the backward's pairwise-decay work in _bwd_pairs (from A1 kept by _fwd_out, D2 by _bwd_dz) or in _bwd_dkvsg:
-    # packed sequences with short last chunks, stress decays, initial states
+@pytest.mark.parametrize("settings", [{}, dict(G_SLOT_MAJOR=False), dict(PAIRS_KERNEL=False)],
+                         ids=["defaults", "G_SLOT_MAJOR=False", "PAIRS_KERNEL=False"])
+def test_triton_interpreter_gate_layouts_and_pairs(settings, monkeypatch, interp):
+    # _fwd_out and _bwd_dz reading g from the slot-major copy by chunk that _gate_factors stores, or from [T, H, M];
+    # the backward's pairwise-decay work in _bwd_pairs (from A1, A2 kept by _fwd_out, D2 by _bwd_dz) or in
+    # _bwd_dkvsg: packed sequences with short last chunks, stress decays, initial states
     import kernels.gsa as mod
-    monkeypatch.setattr(mod, "PAIRS_KERNEL", pairs_kernel)
-    cu = torch.tensor([0, 5, 45, 64])
-    xs, h0 = make_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=16)
-    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"{pairs_kernel=}")
-
-
-@pytest.mark.parametrize("slot_major", [False, True])
-def test_triton_interpreter_gate_layouts(slot_major, monkeypatch, interp):
-    # _fwd_out and _bwd_dz reading g from [T, H, M] or from the slot-major copy by chunk that _gate_factors stores:
-    # packed sequences with short last chunks, stress decays
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "G_SLOT_MAJOR", slot_major)
+    for name, value in settings.items():
+        monkeypatch.setattr(mod, name, value)
     cu = torch.tensor([0, 5, 45, 64])
     xs, h0 = make_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=15)
-    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"slot_major={slot_major}")
+    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"{settings}")
 
 
 @pytest.mark.parametrize("split", [True, False])
