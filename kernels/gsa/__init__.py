@@ -11,6 +11,8 @@ backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU tensor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.gsa.naive import naive_gsa
@@ -41,8 +43,8 @@ PAIRS_KERNEL = True
 # has about two programs per SM and leaves registers and shared memory for one of _bwd_pairs' blocks).
 PAIRS_STREAM = True
 # Register caps (ptxas maxnreg; None: none) of the per-chunk kernels: at 128 registers two blocks of 8 warps fit on
-# an SM instead of one. sm_90: _bwd_dkvsg 176 -> 128 registers with 16 spilled bytes, _bwd_pairs 191 -> 128 with
-# 200. H100, B=8 T=4096 fwd+bwd: 3.07 -> 2.89 ms with _bwd_dkvsg's cap (0.91 -> 0.73 ms), 2.82 with both.
+# an SM instead of one. sm_90: _bwd_dkvsg 176 -> 128 registers with 16 spilled bytes, _bwd_pairs 255 -> 128 with
+# 160. H100, B=8 T=4096 fwd+bwd: 3.07 -> 2.89 ms with _bwd_dkvsg's cap (0.91 -> 0.73 ms), 2.82 with both.
 DKVSG_MAXNREG: int | None = 128
 PAIRS_MAXNREG: int | None = 128
 DZ_MAXNREG: int | None = None    # _bwd_dz: 128 spills 584 bytes
@@ -72,6 +74,12 @@ G_SLOT_MAJOR = True
 
 def _cap(maxnreg):
     return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device):
+    """One second stream per GPU for PAIRS_STREAM (made once: creating one per call costs host time)."""
+    return torch.cuda.Stream(device=device)
 
 
 def _split(*xs) -> bool:
@@ -195,7 +203,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     if pairs:
         dsi, da1 = torch.empty(g.shape, **f32), torch.empty_like(a1)
         if main is not None:   # beside the reverse scan, which is independent of it
-            side = torch.cuda.Stream(device=q.device)
+            side = _side_stream(q.device)
             side.wait_stream(main)
         with torch.cuda.stream(side):   # (None: the current stream)
             # g as it is, not its slot-major copy: the copy's layout spilled here (624 bytes against none, sm_90)
