@@ -11,8 +11,6 @@ backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU tensor
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels.gsa.naive import naive_gsa
@@ -74,12 +72,6 @@ G_SLOT_MAJOR = True
 
 def _cap(maxnreg):
     return {} if maxnreg is None else {"maxnreg": maxnreg}
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device):
-    """One second stream per GPU for PAIRS_STREAM (made once: creating one per call costs host time)."""
-    return torch.cuda.Stream(device=device)
 
 
 def _split(*xs) -> bool:
@@ -203,7 +195,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     if pairs:
         dsi, da1 = torch.empty(g.shape, **f32), torch.empty_like(a1)
         if main is not None:   # beside the reverse scan, which is independent of it
-            side = _side_stream(q.device)
+            side = torch.cuda.Stream(device=q.device)
             side.wait_stream(main)
         with torch.cuda.stream(side):   # (None: the current stream)
             # g as it is, not its slot-major copy: the copy's layout spilled here (624 bytes against none, sm_90)
