@@ -8,8 +8,8 @@ Chunk-start states are recomputed by the forward's _state_scan (between the pass
               states in one launch: (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the
               initial-state gradients.
   _bwd_pairs  (per chunk and head; PAIRS_KERNEL, on a second stream beside the reverse scan): what needs the
-              pairwise decays within the chunk apart from the states: the pair matrices A2 and dA1 and ds's part
-              within the chunk.
+              pairwise decays within the chunk apart from the states and A2 (kept by _fwd_out): the pair matrix dA1
+              and ds's part within the chunk.
   _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk).
 """
 

@@ -167,6 +167,13 @@ def slot_softmax(Z, m_t, m_m):
 
 
 @triton.jit
+def chunk_decay(egc, c, i_h, H: tl.constexpr, M: tl.constexpr, cm, mask):
+    """e^{G_C} of global chunk c and head i_h ([BM]; 1 outside the mask: a chunk past the sequence's end leaves the
+    state as it is)."""
+    return tl.load(egc + (c * H + i_h).to(tl.int64) * M + cm, mask=mask, other=1.)
+
+
+@triton.jit
 def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -201,8 +208,7 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     # issued after it, the load had only the step's products to land in, and the next step's first use of it took
     # 34% of the scan's stall samples (B=8 T=4096, ncu).
     if FEED:
-        e_GC = tl.load(egc + ((c0 + (nt - 1 if REVERSE else 0)) * H + i_h).to(tl.int64) * M + cm,
-                       mask=m_m & (cm * 0 < nt), other=1.)
+        e_GC = chunk_decay(egc, c0 + (nt - 1 if REVERSE else 0), i_h, H, M, cm, m_m & (cm * 0 < nt))
     for j in range(nt):
         if REVERSE:
             i_t = nt - 1 - j
@@ -223,8 +229,7 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
         acc = e_GC[:, None] * S
         if FEED and EGC_EARLY:
-            e_GC = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
-                           mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
+            e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
         tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
         if SPLIT:
             b_x = load_rows_raw(x, tok, i_h, H, D, cd, m_t, m_d)
@@ -233,8 +238,7 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
             S = acc + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
         if FEED and not EGC_EARLY:
-            e_GC = tl.load(egc + ((c0 + i_next) * H + i_h).to(tl.int64) * M + cm,
-                           mask=m_m & (cm * 0 + j + 1 < nt), other=1.)
+            e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
 
