@@ -57,11 +57,12 @@ def sdpa(q, k, v, s, f):
 # one's time and its relative difference from the defaults). The scan D tile sets how many programs the sequential
 # scans spread over; FEED_SCAN takes the cumulative sums and exps off their sequential path; SPLIT_SCAN=False keeps
 # the fed weights fp32 (tf32 products).
-SWEEP = [dict(SCAN_BD=32), dict(PAIRS_STREAM=False), dict(PAIRS_KERNEL=False), dict(DZ_MAXNREG=128),
-         dict(OUT_MAXNREG=168), dict(PAIRS_MAXNREG=None), dict(DKVSG_MAXNREG=None), dict(EGC_EARLY=False),
-         dict(G_SLOT_MAJOR=False), dict(OUT_PASSES=1), dict(SPLIT_SCAN=False), dict(FEED_SCAN=False),
-         dict(SCAN_BD=16), dict(SCAN_BD=64), dict(SCAN_WARPS=8), dict(OUT_WARPS=8), dict(CHUNK_WARPS=4),
-         dict(CHUNK=16)]
+SWEEP = [dict(OUT_SCAN=False), dict(OUT_SCAN=True), dict(LOGITS_SCAN=False), dict(OUT_SCAN_PASSES=1),
+         dict(KEY_SCAN_BD=32), dict(OUT_SCAN_BD=32), dict(PAIRS_WARPS=8, PAIRS_MAXNREG=128), dict(SCAN_BD=32),
+         dict(PAIRS_STREAM=False), dict(PAIRS_KERNEL=False), dict(DZ_MAXNREG=128), dict(OUT_MAXNREG=168),
+         dict(DKVSG_MAXNREG=None), dict(EGC_EARLY=False), dict(G_SLOT_MAJOR=False), dict(OUT_PASSES=1),
+         dict(SPLIT_SCAN=False), dict(FEED_SCAN=False), dict(SCAN_BD=16), dict(SCAN_BD=64), dict(SCAN_WARPS=8),
+         dict(OUT_WARPS=8), dict(CHUNK_WARPS=4), dict(CHUNK=16)]
 
 
 def main():

@@ -40,11 +40,27 @@ PAIRS_KERNEL = True
 # On CUDA, _bwd_pairs runs on a second stream beside the backward's reverse state scan (independent of it; the scan
 # has about two programs per SM and leaves registers and shared memory for one of _bwd_pairs' blocks).
 PAIRS_STREAM = True
+# OUT_SCAN (with FEED_SCAN): the forward stores neither chunk state. The key-state scan runs alone and, with
+# LOGITS_SCAN, forms from each D tile its part of the slot logits' inter-chunk term q Hk^T ([T, H, M] fp32 per
+# tile, summed by _fwd_out in a fixed order) instead of storing Hk; _fwd_out forms p (PASS 1), then A2 and p e^{G}
+# (PASS 4); the value-state scan (_out_scan) forms each chunk's output o = (p e^{G}) Hv + A2 v from the state it
+# holds instead of storing Hv. Each chunk state is fp32 M x K or M x V per chunk and head: the forward's largest
+# traffic. The two scans then run one after the other, each with half the programs, so None (the default) turns it
+# on only where one state's scan alone still has a program per SM (_out_scan_on). H100 fwd+bwd, B=8 T=4096:
+# 2.59 ms (2.64 without LOGITS_SCAN) against 2.75 off; B=2 T=16384 (32 sequence-heads): 3.28 against 2.93 off.
+OUT_SCAN: bool | None = None
+LOGITS_SCAN = True
+OUT_SCAN_PASSES = 2   # _fwd_out's launches before _out_scan: 2 (PASS 1, PASS 4) or 1 (PASS 3: spills 768 bytes)
+OUT_SCAN_BD: int | None = None   # D tile of _out_scan (None: kernels.utils.scan_tile's choice for one state)
+KEY_SCAN_BD: int | None = None   # D tile of the key-state scan before it
 # Register caps (ptxas maxnreg; None: none) of the per-chunk kernels: at 128 registers two blocks of 8 warps fit on
-# an SM instead of one. sm_90: _bwd_dkvsg 176 -> 128 registers with 16 spilled bytes, _bwd_pairs 255 -> 128 with
-# 160. H100, B=8 T=4096 fwd+bwd: 3.07 -> 2.89 ms with _bwd_dkvsg's cap (0.91 -> 0.73 ms), 2.82 with both.
+# an SM instead of one. sm_90: _bwd_dkvsg 176 -> 128 registers with 16 spilled bytes. H100, B=8 T=4096 fwd+bwd:
+# 3.07 -> 2.89 ms with _bwd_dkvsg's cap (0.91 -> 0.73 ms).
 DKVSG_MAXNREG: int | None = 128
-PAIRS_MAXNREG: int | None = 128
+# _bwd_pairs: 4 warps uncapped (255 registers, 56 spilled bytes, two blocks per SM) against 8 warps capped at 128
+# (160 spilled bytes, two blocks): H100 B=8 T=4096 0.30 -> 0.28 ms.
+PAIRS_WARPS = 4
+PAIRS_MAXNREG: int | None = None
 DZ_MAXNREG: int | None = None    # _bwd_dz: 128 spills 584 bytes
 OUT_MAXNREG: int | None = None   # _fwd_out (4 warps, two blocks per SM uncapped): 168 spills 184-512 bytes
 # Warps of the backward's per-chunk kernels (fewer register spills than 4 in ptxas' report; H100, B=8 T=4096:
@@ -91,33 +107,69 @@ def _slots(M: int) -> int:
     return max(16, next_pow2(M))
 
 
-def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None, split=False):
+def _scan(g, cu, tables, first, second, want_ht, reverse, egc=None, split=False, logits_q=None):
     """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends) of
     two states at once, each given as (w, x, h0): returns (states, final state or None) for each. With `egc`
-    (e^{G_C} per chunk) the w come with their decays applied (FEED_SCAN)."""
+    (e^{G_C} per chunk) the w come with their decays applied (FEED_SCAN). `second` None: the first state only
+    (OUT_SCAN), returned alone; with `logits_q` (LOGITS_SCAN) its "states" are then the slot logits' inter-chunk
+    parts from each D tile, fp32 [1, T, H, tiles x M], not the states."""
     from kernels.gsa.fwd import _state_scan
 
     chunk_offsets, _, NT = tables
     H, M = g.shape[2], g.shape[3]
     N = cu.numel() - 1
-    (w1, x1, h01), (w2, x2, h02) = first, second
+    alone = second is None
+    (w1, x1, h01), (w2, x2, h02) = first, first if alone else second
     if (h01 is None) != (h02 is None):   # one final-state gradient unused: it is zero
         h01, h02 = (torch.zeros(N, H, M, x.shape[3], device=x.device) if h is None else h
                     for h, x in ((h01, x1), (h02, x2)))
-    out = []
-    for x in (x1, x2):
-        hs = torch.empty(NT, H, M, x.shape[3], device=x.device, dtype=torch.float32)
-        out.append((hs, torch.empty(N, H, M, x.shape[3], device=x.device, dtype=torch.float32) if want_ht else None))
-    D1, D2 = x1.shape[3], x2.shape[3]
+    D1, D2 = x1.shape[3], 0 if alone else x2.shape[3]
     # about one program per SM counting both states' tiles (H100: B=2 T=16384 4.86 ms fwd+bwd with 32-wide tiles,
     # 5.42 with 16; B=8 T=4096 the same at 64 and 32)
-    BD = SCAN_BD or scan_tile(max(D1, D2), 2 * N * H)
+    BD = (KEY_SCAN_BD or scan_tile(D1, N * H)) if alone else SCAN_BD or scan_tile(max(D1, D2), 2 * N * H)
+    f32 = dict(device=g.device, dtype=torch.float32)
+    out = []
+    for x in (x1,) if alone else (x1, x2):
+        hs = torch.empty(NT, H, M, x.shape[3], **f32) if logits_q is None else None
+        out.append((hs, torch.empty(N, H, M, x.shape[3], **f32) if want_ht else None))
+    zp = None if logits_q is None else torch.empty(*g.shape[:3], triton.cdiv(D1, BD) * M, **f32)
+    if alone:
+        out.append((None, None))
     grid = (N, H, triton.cdiv(D1, BD) + triton.cdiv(D2, BD))
-    _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, egc, cu, chunk_offsets,
+    _state_scan[grid](w1, x1, h01, *out[0], w2, x2, h02, *out[1], g, egc, cu, chunk_offsets, logits_q, zp,
                       H=H, M=M, D1=D1, D2=D2, BT=_chunk(M), BM=_slots(M), BD=BD, REVERSE=reverse,
                       HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=PREC, FEED=egc is not None,
-                      SPLIT=split, EXACT=is_interpreting(), EGC_EARLY=EGC_EARLY, num_warps=SCAN_WARPS)
-    return out
+                      SPLIT=split, EXACT=is_interpreting(), EGC_EARLY=EGC_EARLY, LOGITS=zp is not None,
+                      num_warps=SCAN_WARPS)
+    if not alone:
+        return out
+    return (out[0][0] if zp is None else zp), out[0][1]
+
+
+def _out_scan_on(N: int, H: int, V: int) -> bool:
+    """OUT_SCAN's choice for N sequences of H heads: with None, where one state's scan alone still has a program
+    per SM at 64-wide tiles (H100: B=8 T=4096 fwd+bwd 2.59 ms against 2.75; at B=2 T=16384 its 32 sequence-heads
+    would leave the SMs idle: 3.28 against 2.93)."""
+    if not FEED_SCAN:
+        return False
+    return OUT_SCAN if OUT_SCAN is not None else N * H * triton.cdiv(V, 64) >= 128
+
+
+def _out_scan(sE, v, hv0, want_ht, pe, a2, cu, tables, egc, split):
+    """(OUT_SCAN) The forward's value-state scan forming the output o (v's dtype) from p e^{G} and A2: returns
+    (o, final value state or None)."""
+    from kernels.gsa.fwd import _out_scan as kernel
+
+    chunk_offsets, _, _ = tables
+    N, H, M, V = cu.numel() - 1, v.shape[2], pe.shape[3], v.shape[3]
+    o = torch.empty_like(v)
+    hvt = torch.empty(N, H, M, V, device=v.device, dtype=torch.float32) if want_ht else None
+    BD = OUT_SCAN_BD or scan_tile(V, N * H)
+    kernel[(N, H, triton.cdiv(V, BD))](sE, v, hv0, hvt, egc, cu, chunk_offsets, pe, a2, o, H=H, M=M, D=V,
+                                       BT=_chunk(M), BM=_slots(M), BD=BD, HAS_H0=hv0 is not None,
+                                       STORE_HT=want_ht, PREC=PREC, SPLIT=split, EXACT=is_interpreting(),
+                                       EGC_EARLY=EGC_EARLY, num_warps=SCAN_WARPS)
+    return o, hvt
 
 
 def _dims(q, v, s):
@@ -156,21 +208,37 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables):
 
     split = _split(k, v)
     sE, egc, gf = _gate_factors(s, g, cu, tables, split)
-    (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc, split)
-    o = torch.empty_like(v)
+    out_scan = _out_scan_on(cu.numel() - 1, q.shape[2], v.shape[3])
+    zp = None
+    if out_scan:
+        hv = None
+        if LOGITS_SCAN:   # the key scan forms the slot logits' inter-chunk parts: no key state is stored either
+            (zp, hkt), hk = _scan(g, cu, tables, (sE, k, hk0), None, want_ht, False, egc, split, q), None
+        else:
+            hk, hkt = _scan(g, cu, tables, (sE, k, hk0), None, want_ht, False, egc, split)
+    else:
+        (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc, split)
+    o = None if out_scan else torch.empty_like(v)   # (_out_scan makes it)
+    f32 = dict(device=g.device, dtype=torch.float32)
     # the softmax p and the slot logits, kept for the backward (fp32 [T, H, M]): recomputing them there took
     # longer (H100, B=8 T=4096: 4.04 ms fwd+bwd against 3.91)
-    p, z = (torch.empty(g.shape, device=g.device, dtype=torch.float32) for _ in range(2))
+    p, z = (torch.empty(g.shape, **f32) for _ in range(2))
     BT = _chunk(g.shape[3])
-    # A1 = q k^T and A2 (p against s) for the backward's _bwd_pairs and _bwd_dkvsg (PAIRS_KERNEL)
-    a1, a2 = ((torch.empty(*g.shape[:3], BT, device=g.device, dtype=torch.float32) for _ in range(2)) if PAIRS_KERNEL
-              else (None, None))
-    for npass in ((1, 2) if OUT_PASSES == 2 else (0,)):
+    # A1 = q k^T and A2 (p against s) for the backward's _bwd_pairs and _bwd_dkvsg (PAIRS_KERNEL; A2 also for
+    # _out_scan)
+    a1 = torch.empty(*g.shape[:3], BT, **f32) if PAIRS_KERNEL else None
+    a2 = torch.empty(*g.shape[:3], BT, **f32) if PAIRS_KERNEL or out_scan else None
+    pe = torch.empty(g.shape, **f32) if out_scan else None
+    passes = ((1, 4) if OUT_SCAN_PASSES == 2 else (3,)) if out_scan else (1, 2) if OUT_PASSES == 2 else (0,)
+    for npass in passes:
         _fwd_out[(tables[2], q.shape[2])](q, k, v, s, g if gf is None else gf, cu, tables[1], hk, hv, o, p, z, a1,
-                                          a2, scale, tables[2] * BT, PASS=npass, G_SM=gf is not None,
-                                          KEEP_A=a1 is not None, **_cap(OUT_MAXNREG),
+                                          a2, pe, zp, scale, tables[2] * BT, PASS=npass, G_SM=gf is not None,
+                                          KEEP_A=a1 is not None, NZP=0 if zp is None else zp.shape[3] // g.shape[3],
+                                          **_cap(OUT_MAXNREG),
                                           **dict(_dims(q, v, s), num_warps=OUT_WARPS))
-    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z, gf, a1, a2)
+    if out_scan:
+        o, hvt = _out_scan(sE, v, hv0, want_ht, pe, a2, cu, tables, egc, split)
+    return o, hkt, hvt, (sE if FEED_SCAN else None, egc, p, z, gf, a1, a2 if PAIRS_KERNEL else None)
 
 
 def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2):
@@ -200,7 +268,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
         with torch.cuda.stream(side):   # (None: the current stream)
             # g as it is, not its slot-major copy: the copy's layout spilled here (624 bytes against none, sm_90)
             _bwd_pairs[grid](s, g, p, dz, a1, d2, cu, tables[1], dsi, da1, **_cap(PAIRS_MAXNREG),
-                             **{n: dims[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC", "num_warps")})
+                             **{n: dims[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC")}, num_warps=PAIRS_WARPS)
     (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
                                      split)
     if pairs and main is not None:

@@ -1,15 +1,20 @@
 """Triton forward of chunked GSA (math and notation in README.md), and the pieces the backward shares.
 
-Two launches:
+Launches (after _gate_factors, FEED_SCAN's per-chunk decays):
   _state_scan  (per sequence, head and D tile of either state, chunks in order): H <- diag(e^{G_C}) H +
                (s e^{G_C - G})^T X for X = k (the key state, kept as Hk^T, M x K) and X = v (the value state, M x V),
                both in one launch; it stores the state at the start of every chunk. With REVERSE it runs the
                backward's state-gradient recursion instead.
   _fwd_out     (per chunk and head, all chunks at once): slot logits, the softmax over slots (both kept for the
                backward), the output.
+With OUT_SCAN (many sequence-heads) the forward stores no chunk state instead:
+  _state_scan  the key state alone (D2 = 0), each D tile storing its part of q Hk^T (LOGITS) instead of the state;
+  _fwd_out     PASS 1 (logits from those parts, softmax), PASS 4 (A2 and p e^{G});
+  _out_scan    the value state, forming each chunk's output from the state it holds instead of storing it.
 Every exp() argument is a sum of log gates (<= 0), never a difference of two cumulative sums: e^{G_t},
 e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums. Masked
-entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed sequences [1, T_total, H, *]; states, gates and softmax are fp32.
+entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed sequences [1, T_total, H, *];
+states, gates and softmax are fp32.
 """
 
 from __future__ import annotations
@@ -142,9 +147,10 @@ def pair_matrix(X, Y, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr,
 @triton.jit
 def slot_logits(q, k, hk, hbase, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
                 H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+                BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, zp=None, NZP: tl.constexpr = 0):
     """Unscaled slot logits Zr = q Hk_t of a chunk ([BT, BM]) and A1 = q k^T: the chunk-start state Hk^T (M x K)
-    decayed to each row plus the chunk's own writes."""
+    decayed to each row plus the chunk's own writes. NZP > 0: q Hk^T comes as the key scan's NZP parts in zp
+    (scan_tile's LOGITS) instead of from the state."""
     A1 = tl.zeros([BT, BT], dtype=tl.float32)
     QH = tl.zeros([BT, BM], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -153,7 +159,10 @@ def slot_logits(q, k, hk, hbase, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, c
         b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        QH += tl.dot(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), input_precision=PREC)
+        if NZP == 0:
+            QH += tl.dot(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), input_precision=PREC)
+    for i in tl.static_range(NZP):   # (in order: the same sum every run)
+        QH += load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m)
     return tl.exp(G) * QH + gated_sum(A1, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC), A1
 
 
@@ -178,7 +187,8 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
               PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
-              EGC_EARLY: tl.constexpr):
+              EGC_EARLY: tl.constexpr, pe=None, a2=None, o=None, OUT: tl.constexpr = False, q=None, zp=None,
+              LOGITS: tl.constexpr = False):
     """One [BM, BD] tile of one state, all of a sequence's chunks in order.
     Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
     REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
@@ -186,7 +196,12 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     FEED:     w comes with its decay already applied (fp32) and e^{G_C} per chunk from `egc`: the sequential
               loop forms no cumulative sum and no exp (g is not read).
     SPLIT:    (with FEED, x bf16) w comes split in bf16 halves (store_split): the step's product is two bf16
-              products of operands straight from shared memory."""
+              products of operands straight from shared memory.
+    OUT:      (forward, FEED, the value state) instead of storing H, forms the chunk's output tile from it,
+              o = (p e^{G}) H + A2 x, and stores that: `pe` and `a2` come from _fwd_out's PASS 3 or 4.
+    LOGITS:   (forward, FEED, the key state Hk^T alone) instead of storing H, forms this tile's part of the slot
+              logits' inter-chunk term, q_tile H^T ([BT, BM]), and stores it at slots [i_d M, (i_d + 1) M) of the
+              rows of zp ([T, H, tiles x M]); _fwd_out sums the tiles' parts."""
     bos = tl.load(cu + i_n)
     eos = tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
@@ -230,13 +245,22 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
         acc = e_GC[:, None] * S
         if FEED and EGC_EARLY:
             e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
-        tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
+        if LOGITS:
+            b_q = load_rows(q, tok, i_h, H, D, cd, m_t, m_d)
+            store_rows(zp + i_d * M, tl.dot(b_q, tl.trans(S), input_precision=PREC), tok, i_h, H,
+                       ((D + BD - 1) // BD) * M, cm, m_t, m_m)
+        elif not OUT:
+            tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
+        b_x = load_rows_raw(x, tok, i_h, H, D, cd, m_t, m_d)
+        if OUT:
+            b_o = tl.dot(load_rows(pe, tok, i_h, H, M, cm, m_t, m_m), S, input_precision=PREC)
+            b_o = tl.dot(load_rows(a2, tok, i_h, H, BT, rows, m_t, rows < BT), b_x.to(tl.float32), b_o,
+                         input_precision=PREC)
+            store_rows(o, b_o, tok, i_h, H, D, cd, m_t, m_d)
         if SPLIT:
-            b_x = load_rows_raw(x, tok, i_h, H, D, cd, m_t, m_d)
             S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, acc, EXACT)
         else:
-            b_x = load_rows(x, tok, i_h, H, D, cd, m_t, m_d)
-            S = acc + tl.dot(tl.trans(b_w), b_x, input_precision=PREC)
+            S = acc + tl.dot(tl.trans(b_w), b_x.to(tl.float32), input_precision=PREC)
         if FEED and not EGC_EARLY:
             e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
     if STORE_HT:
@@ -244,22 +268,37 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
 
 
 @triton.jit
-def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_offsets,
+def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_offsets, q, zp,
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
                 STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
-                EXACT: tl.constexpr, EGC_EARLY: tl.constexpr):
+                EXACT: tl.constexpr, EGC_EARLY: tl.constexpr, LOGITS: tl.constexpr):
     """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
     first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
-    alone; launched together the two run side by side instead of one after the other."""
+    alone; launched together the two run side by side instead of one after the other. D2 = 0: the first only
+    (LOGITS: the key state, forming the slot logits' parts in zp from q instead of storing it; scan_tile)."""
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
         scan_tile(w1, g, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
-                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY)
-    else:
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY,
+                  q=q, zp=zp, LOGITS=LOGITS)
+    elif D2 > 0:
         scan_tile(w2, g, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
                   H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY)
+
+
+@triton.jit
+def _out_scan(w, x, h0, ht, egc, cu, chunk_offsets, pe, a2, o,
+              H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+              BD: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+              SPLIT: tl.constexpr, EXACT: tl.constexpr, EGC_EARLY: tl.constexpr):
+    """(OUT_SCAN) The forward's value-state scan, which forms the output from each chunk-start state instead of
+    storing the state (scan_tile's OUT): it runs after the key-state scan and _fwd_out's PASS 3 or 4 (p e^{G},
+    A2)."""
+    i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    scan_tile(w, None, egc, x, cu, chunk_offsets, h0, None, ht, i_n, i_h, i_d, H, M, D, BT, BM, BD, False, HAS_H0,
+              STORE_HT, PREC, True, SPLIT, EXACT, EGC_EARLY, pe, a2, o, True)
 
 
 @triton.jit
@@ -284,11 +323,14 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
 
 
 @triton.jit
-def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2_out, scale, TT,
+def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2_out, pe_out, zp, scale, TT,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-             PASS: tl.constexpr, G_SM: tl.constexpr, KEEP_A: tl.constexpr):
-    """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p.
+             PASS: tl.constexpr, G_SM: tl.constexpr, KEEP_A: tl.constexpr, NZP: tl.constexpr):
+    """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p;
+    3: PASS 1, then A2 and p e^{G} (pe_out, fp32 [T, H, M]) for _out_scan (OUT_SCAN), which forms the output;
+    4: A2 and p e^{G} only, from p.
+    NZP > 0: q Hk^T comes in NZP parts from the key scan (zp; scan_tile's LOGITS), hk is not read.
     G_SM: g is the slot-major copy (load_gates_by_chunk). KEEP_A: also keep A1 = q k^T and A2 (p against s) for the
     backward (PAIRS_KERNEL), each [T, H, BT]: row t of the chunk's tile."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -302,28 +344,30 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
         b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
     G = tl.cumsum(b_g, axis=0)
     hbase = (i_c * H + i_h).to(tl.int64) * M
-    if PASS == 2:
+    if PASS == 2 or PASS == 4:
         P = load_rows(p_out, tok, i_h, H, M, cm, m_t, m_m)
     else:
         Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
-                             H, K, M, BT, BK, BM, LEVELS, PREC)
+                             H, K, M, BT, BK, BM, LEVELS, PREC, zp, NZP)
         P = slot_softmax(scale * Zr, m_t, m_m)
         # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
         store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
         store_rows(z_out, Zr, tok, i_h, H, M, cm, m_t, m_m)
         if KEEP_A:
             store_rows(a1_out, A1, tok, i_h, H, BT, cols, m_t, cols < BT)
-    if PASS == 1:
-        return
-    # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
-    A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
-    if KEEP_A:
-        store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
-    Pe = P * tl.exp(G)
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        m_v = cv < V
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_o = tl.dot(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), input_precision=PREC) \
-            + tl.dot(A2, b_v, input_precision=PREC)
-        store_rows(o, b_o, tok, i_h, H, V, cv, m_t, m_v)
+    if PASS != 1:   # (not an early return: Triton would still build the code after it, here with hv None)
+        # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
+        A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+        if KEEP_A or PASS >= 3:
+            store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
+        Pe = P * tl.exp(G)
+        if PASS >= 3:
+            store_rows(pe_out, Pe, tok, i_h, H, M, cm, m_t, m_m)
+        else:
+            for i_v in range(tl.cdiv(V, BV)):
+                cv = i_v * BV + tl.arange(0, BV)
+                m_v = cv < V
+                b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+                b_o = tl.dot(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), input_precision=PREC) \
+                    + tl.dot(A2, b_v, input_precision=PREC)
+                store_rows(o, b_o, tok, i_h, H, V, cv, m_t, m_v)

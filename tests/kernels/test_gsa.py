@@ -283,6 +283,39 @@ def test_triton_interpreter_gate_layouts_and_pairs(settings, monkeypatch, interp
     assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"{settings}")
 
 
+@pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles", "no logits parts", "one pass",
+                                  "bf16"])
+def test_triton_interpreter_forward_stores_no_state(case, monkeypatch, interp):
+    # OUT_SCAN: the key scan alone forms the slot logits' parts (LOGITS_SCAN), the value scan forms the output
+    import kernels.gsa as mod
+    monkeypatch.setattr(mod, "OUT_SCAN", True)
+    cu, final_used, K, V, dtype = None, (True, True), 32, 32, torch.float32
+    if case == "varlen":
+        cu = torch.tensor([0, 33, 40, 90])
+    if case == "one final state":
+        final_used = (False, True)
+    if case == "D tiles":   # several parts of the logits, several output tiles
+        monkeypatch.setattr(mod, "KEY_SCAN_BD", 16)
+        monkeypatch.setattr(mod, "OUT_SCAN_BD", 16)
+        K, V = 48, 64
+    if case == "no logits parts":
+        monkeypatch.setattr(mod, "LOGITS_SCAN", False)
+    if case == "one pass":
+        monkeypatch.setattr(mod, "OUT_SCAN_PASSES", 1)
+    if case == "bf16":
+        dtype, cu = torch.bfloat16, torch.tensor([0, 33, 40, 90])
+    xs, h0 = make_inputs(1, 200 if case == "stress" else 90, 1, K, V, 32, dtype=dtype,
+                         decay="stress" if case == "stress" else "wide", n_seq=3 if cu is not None else None, seed=16)
+    assert mod._out_scan_on(1 if cu is None else 3, 1, V)
+    got = run(interp, xs, h0, 1.0, cu, final_used=final_used)
+    if dtype == torch.bfloat16:   # the final states keep fp32 accuracy; the rest meets the bf16 bar
+        ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0, cu)
+        assert_close(got[1:3], ref[1:3], CPU_TOL, "final states, bf16", names=NAMES[1:3])
+        assert_close(got, ref, GPU_TOL, "bf16")
+    else:
+        assert_close(got, run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, case)
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_triton_interpreter_bf16_split_scans(split, monkeypatch, interp):
     # bf16 inputs: the scans' fed weights travel as bf16 halves hi + lo (SPLIT_SCAN). The final states come from the
@@ -305,7 +338,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     registers / stack / shared with what="resources"."""
     import kernels.gsa as gsa
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
-    from kernels.gsa.fwd import _fwd_out, _gate_factors, _state_scan
+    from kernels.gsa.fwd import _fwd_out, _gate_factors, _out_scan, _state_scan
 
     why = sm90.unavailable()
     if why:
@@ -317,10 +350,25 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             w = "*bf16" if split or not (rev or feed) else "*fp32"
             k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
                                              HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed, SPLIT=split,
-                                             EXACT=False, EGC_EARLY=gsa.EGC_EARLY), gsa.SCAN_WARPS,
+                                             EXACT=False, EGC_EARLY=gsa.EGC_EARLY, LOGITS=False), gsa.SCAN_WARPS,
                            types={"w1": w, "w2": w, "g": "*fp32", "egc": "*fp32",
                                   **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
             out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''}{', SPLIT_SCAN' if split else ''})"] = k
+    # OUT_SCAN: the forward's key state alone, then the value-state scan that forms the output
+    BDo = gsa.OUT_SCAN_BD or gsa._tile(K)
+    for split in (False, True):
+        w = "*bf16" if split else "*fp32"
+        logits = gsa.LOGITS_SCAN
+        out[f"_state_scan(key state alone{', LOGITS_SCAN' if logits else ''}{', SPLIT_SCAN' if split else ''})"] = \
+            sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=0, BT=BT, BM=BM, BD=BDo, REVERSE=False, HAS_H0=True,
+                                         STORE_HT=True, PREC=gsa.PREC, FEED=True, SPLIT=split, EXACT=False,
+                                         EGC_EARLY=gsa.EGC_EARLY, LOGITS=logits, **({"hs1": None} if logits else {})),
+                       gsa.SCAN_WARPS, types={"w1": w, "w2": w, "g": "*fp32", "egc": "*fp32", "zp": "*fp32",
+                                              **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
+        out[f"_out_scan{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
+            _out_scan, dict(H=4, M=M, D=V, BT=BT, BM=BM, BD=BDo, HAS_H0=True, STORE_HT=True, PREC=gsa.PREC,
+                            SPLIT=split, EXACT=False, EGC_EARLY=gsa.EGC_EARLY), gsa.SCAN_WARPS,
+            types={"w": w, "h0": "*fp32", "ht": "*fp32", "egc": "*fp32", "pe": "*fp32", "a2": "*fp32"})
     for split in (False, True):
         out[f"_gate_factors (FEED_SCAN{', SPLIT_SCAN' if split else ''})"] = sm90.build(
             _gate_factors, dict(H=4, M=M, BT=BT, BM=BM, SPLIT=split, STORE_GF=gsa.G_SLOT_MAJOR), 4,
@@ -332,9 +380,15 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
                                 "da1_out", "dsi", "a2", "da1")}
     pairs = gsa.PAIRS_KERNEL
     g_sm = gsa.FEED_SCAN and gsa.G_SLOT_MAJOR   # g's slot-major copy (made by _gate_factors, FEED_SCAN's kernel)
-    for npass in (0, 1, 2):
-        out[f"_fwd_out (pass {npass})"] = sm90.build(_fwd_out, dict(consts, PASS=npass, G_SM=g_sm, KEEP_A=pairs),
-                                                     gsa.OUT_WARPS, types=f32, maxnreg=gsa.OUT_MAXNREG)
+    # passes 0-2 read the stored states; with OUT_SCAN passes 1 and 3 read the key scan's logits parts
+    # (LOGITS_SCAN) and 1, 3, 4 get hv and o as None, as launched
+    for npass, out_scan in ((0, False), (1, False), (2, False), (1, True), (3, True), (4, True)):
+        none = dict(hv=None, o=None) if out_scan else {}
+        if out_scan and gsa.LOGITS_SCAN and npass != 4:
+            none.update(hk=None, NZP=K // BDo)
+        out[f"_fwd_out (pass {npass}{', OUT_SCAN' if out_scan else ''})"] = sm90.build(
+            _fwd_out, dict(consts, PASS=npass, G_SM=g_sm, KEEP_A=pairs, **dict(dict(NZP=0), **none)), gsa.OUT_WARPS,
+            types=dict(f32, zp="*fp32"), maxnreg=gsa.OUT_MAXNREG)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
     for feed, split in ((False, False), (True, False), (True, True)):
         out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
@@ -342,7 +396,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})), maxnreg=gsa.DZ_MAXNREG)
     if pairs:
         out["_bwd_pairs"] = sm90.build(_bwd_pairs, {n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC")},
-                                       gsa.CHUNK_WARPS, types=f32, maxnreg=gsa.PAIRS_MAXNREG)
+                                       gsa.PAIRS_WARPS, types=f32, maxnreg=gsa.PAIRS_MAXNREG)
     out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, dict(consts, PAIRS=pairs, G_SM=pairs and g_sm), gsa.CHUNK_WARPS,
                                    types=f32, maxnreg=gsa.DKVSG_MAXNREG if pairs else None)
     return sm90.report(out, what)
@@ -353,7 +407,7 @@ def test_triton_kernels_compile_for_h100(M):
     sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M})", GSA_KERNELS)
 
 
-GSA_KERNELS = 16   # compile_for_sm90's builds
+GSA_KERNELS = 23   # compile_for_sm90's builds
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
@@ -425,7 +479,8 @@ def test_gpu_matches_cpu_torch_path():
 # The other settings the sweep times, in bf16 on the GPU.
 VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64),
             dict(G_SLOT_MAJOR=False), dict(EGC_EARLY=False), dict(PAIRS_KERNEL=False),
-            dict(PAIRS_STREAM=False)]
+            dict(PAIRS_STREAM=False), dict(OUT_SCAN=True), dict(OUT_SCAN=True, LOGITS_SCAN=False),
+            dict(OUT_SCAN=True, OUT_SCAN_PASSES=1)]
 
 
 @gpu
