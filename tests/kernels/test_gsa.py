@@ -283,17 +283,15 @@ def test_triton_interpreter_gate_layouts_and_pairs(settings, monkeypatch, interp
     assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"{settings}")
 
 
-@pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles", "no logits parts", "one pass",
+@pytest.mark.parametrize("case", ["stress", "varlen, one final state", "D tiles", "no logits parts", "one pass",
                                   "bf16"])
 def test_triton_interpreter_forward_stores_no_state(case, monkeypatch, interp):
     # OUT_SCAN: the key scan alone forms the slot logits' parts (LOGITS_SCAN), the value scan forms the output
     import kernels.gsa as mod
     monkeypatch.setattr(mod, "OUT_SCAN", True)
     cu, final_used, K, V, dtype = None, (True, True), 32, 32, torch.float32
-    if case == "varlen":
-        cu = torch.tensor([0, 33, 40, 90])
-    if case == "one final state":
-        final_used = (False, True)
+    if case == "varlen, one final state":
+        cu, final_used = torch.tensor([0, 33, 40, 90]), (False, True)
     if case == "D tiles":   # several parts of the logits, several output tiles
         monkeypatch.setattr(mod, "KEY_SCAN_BD", 16)
         monkeypatch.setattr(mod, "OUT_SCAN_BD", 16)
@@ -333,9 +331,10 @@ def test_triton_interpreter_bf16_split_scans(split, monkeypatch, interp):
 
 # ---------------------------------------------------------------- CPU: the kernels compile for an H100
 
-def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -> dict:
+def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared", every: bool = True) -> dict:
     """Every GSA kernel at the shipped chunk / warps, compiled for sm_90: {kernel: shared memory bytes}, or
-    registers / stack / shared with what="resources"."""
+    registers / stack / shared with what="resources". every=False: only the variants the default settings launch
+    for bf16 inputs (fed and split scans; the alternatives' shared memory is no larger)."""
     import kernels.gsa as gsa
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
     from kernels.gsa.fwd import _fwd_out, _gate_factors, _out_scan, _state_scan
@@ -345,8 +344,9 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
         return {"unavailable": why}
     BM, BT = gsa._slots(M), gsa._chunk(M)
     out = {}
+    variants = ((False, False), (True, False), (True, True)) if every else ((True, True),)
     for rev in (False, True):
-        for feed, split in ((False, False), (True, False), (True, True)):
+        for feed, split in variants:
             w = "*bf16" if split or not (rev or feed) else "*fp32"
             k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
                                              HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed, SPLIT=split,
@@ -356,7 +356,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''}{', SPLIT_SCAN' if split else ''})"] = k
     # OUT_SCAN: the forward's key state alone, then the value-state scan that forms the output
     BDo = gsa.OUT_SCAN_BD or gsa._tile(K)
-    for split in (False, True):
+    for split in (False, True) if every else (True,):
         w = "*bf16" if split else "*fp32"
         logits = gsa.LOGITS_SCAN
         out[f"_state_scan(key state alone{', LOGITS_SCAN' if logits else ''}{', SPLIT_SCAN' if split else ''})"] = \
@@ -369,7 +369,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             _out_scan, dict(H=4, M=M, D=V, BT=BT, BM=BM, BD=BDo, HAS_H0=True, STORE_HT=True, PREC=gsa.PREC,
                             SPLIT=split, EXACT=False, EGC_EARLY=gsa.EGC_EARLY), gsa.SCAN_WARPS,
             types={"w": w, "h0": "*fp32", "ht": "*fp32", "egc": "*fp32", "pe": "*fp32", "a2": "*fp32"})
-    for split in (False, True):
+    for split in (False, True) if every else (True,):
         out[f"_gate_factors (FEED_SCAN{', SPLIT_SCAN' if split else ''})"] = sm90.build(
             _gate_factors, dict(H=4, M=M, BT=BT, BM=BM, SPLIT=split, STORE_GF=gsa.G_SLOT_MAJOR), 4,
             types={"g": "*fp32", "sE": "*bf16" if split else "*fp32", "egc": "*fp32", "gf": "*fp32"})
@@ -383,6 +383,8 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     # passes 0-2 read the stored states; with OUT_SCAN passes 1 and 3 read the key scan's logits parts
     # (LOGITS_SCAN) and 1, 3, 4 get hv and o as None, as launched
     for npass, out_scan in ((0, False), (1, False), (2, False), (1, True), (3, True), (4, True)):
+        if not every and npass in (0, 3):   # OUT_PASSES=1, OUT_SCAN_PASSES=1
+            continue
         none = dict(hv=None, o=None) if out_scan else {}
         if out_scan and gsa.LOGITS_SCAN and npass != 4:
             none.update(hk=None, NZP=K // BDo)
@@ -390,7 +392,7 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
             _fwd_out, dict(consts, PASS=npass, G_SM=g_sm, KEEP_A=pairs, **dict(dict(NZP=0), **none)), gsa.OUT_WARPS,
             types=dict(f32, zp="*fp32"), maxnreg=gsa.OUT_MAXNREG)
     dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
-    for feed, split in ((False, False), (True, False), (True, True)):
+    for feed, split in variants:
         out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
             _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split, G_SM=feed and g_sm, STORE_D2=pairs), gsa.CHUNK_WARPS,
             types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})), maxnreg=gsa.DZ_MAXNREG)
@@ -402,12 +404,13 @@ def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared") -
     return sm90.report(out, what)
 
 
-@pytest.mark.parametrize("M", [64, 128])   # chunk 32 at M = 64, 16 at M = 128: the largest tiles each takes
-def test_triton_kernels_compile_for_h100(M):
-    sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M})", GSA_KERNELS)
+# chunk 32 at M = 64 (every variant), 16 at M = 128 (what the defaults launch): the largest tiles each takes
+@pytest.mark.parametrize("M,every", [(64, True), (128, False)])
+def test_triton_kernels_compile_for_h100(M, every):
+    sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M}, every={every})", GSA_KERNELS[every])
 
 
-GSA_KERNELS = 23   # compile_for_sm90's builds
+GSA_KERNELS = {True: 23, False: 12}   # compile_for_sm90's builds
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
