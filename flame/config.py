@@ -170,7 +170,8 @@ class CheckpointConfig:
     async_mode: Literal["auto", "sync", "async"] = "auto"
     """auto: async on GPU (training blocks only to copy the state to CPU), sync on CPU."""
     init_from: str = ""
-    """A folder written by `python -m flame.export`: a new run starts from these weights (ignored on resume)."""
+    """Weights a new run starts from (ignored on resume): a flame export or run folder, an RWKV-LM .pth or an FLA /
+    Hugging Face folder (whatever `python -m flame.convert` reads); they must fit the configured model."""
     data_state: Literal["strict", "restart"] = "strict"
     """Resuming on another number of data-parallel ranks or data workers: strict stops with a message;
     restart starts the data streams over (documents already seen are seen again)."""

@@ -1,105 +1,323 @@
-"""Export a checkpoint as a plain model folder, and load such a folder back.
+"""Export folders: a model as config.json + model.safetensors (fp32) + its tokenizer files, written whole or not at all.
 
-    python -m flame.export RUN_DIR [--step N] OUT_DIR
+    python -m flame.export RUN_DIR OUT_DIR [--step N]
 
-OUT_DIR gets config.json (the model's settings), model.safetensors (full fp32 weights) and tokenizer.json. flame
-loads it back with `load_exported` (evaluation, generation) or starts a new run from it with checkpoint.init_from.
+config.json holds {"model": <model args>, "step": N, "source": <where it came from>}; the tokenizer travels as
+tokenizer.json (a `tokenizers` file) or as RWKV's World vocabulary under its own name (rwkv_vocab_v20230424.txt).
+`load_exported` gives the model back (evaluation, generation). `python -m flame.convert` writes such folders from
+other formats (and those formats from them); checkpoint.init_from starts a new run from any of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import os
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from flame.checkpoint import complete_steps
-from flame.config import build_dataclass, config_from_toml
-from flame.models import build_model, model_args_class
+from flame.config import ConfigError, build_dataclass, config_from_toml
+from flame.data.paths import resolve_path
+from flame.models import build_model, known_models, model_args_class
 
-REPO = Path(__file__).resolve().parents[1]
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
+"""RWKV's World tokenizer vocabulary (65,529 tokens, ids up to 65535), as the `rwkv` pip package ships it."""
+WORLD_SPEC = "rwkv-world"
+"""data.tokenizer's name for the World tokenizer."""
+# Files of a Hugging Face tokenizer that travel along with it (the tokenizer itself is tokenizer.json or a vocabulary).
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def _empty_model(args, device="cpu") -> nn.Module:
+class ConvertError(ValueError):
+    """A source that cannot be read, or a destination that cannot be written, as asked. The message is one line
+    that names the file (and the tensor or key); the command-line tools print it and exit with code 2."""
+
+
+@dataclass
+class ModelState:
+    """A model read from any format, in flame's terms."""
+
+    args: object
+    """The model's Args dataclass (flame.models registry)."""
+    state: dict[str, torch.Tensor]
+    """flame parameter names -> fp32 tensors."""
+    source: str
+    """Where it came from (a path), recorded in export folders."""
+    step: int | None = None
+    """Training step, where the source knows one."""
+    tokenizer: dict[str, Path] = field(default_factory=dict)
+    """Tokenizer files to carry along: name in the destination folder -> file."""
+    tokenizer_note: str | None = None
+    """Why no tokenizer travels along, where none does."""
+    notes: list[str] = field(default_factory=list)
+    """Other things the user should know (a norm epsilon that differs between formats)."""
+
+    def messages(self) -> list[str]:
+        return self.notes + ([self.tokenizer_note] if self.tokenizer_note and not self.tokenizer else [])
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer files
+def world_vocab_file() -> Path | None:
+    """The World vocabulary the installed `rwkv` package ships (found without importing the package's model code)."""
+    spec = importlib.util.find_spec("rwkv")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / WORLD_VOCAB
+    return path if path.is_file() else None
+
+
+def folder_tokenizer_files(folder: Path) -> dict[str, Path]:
+    """The tokenizer files a model folder holds: Hugging Face tokenizer files, a World vocabulary (rwkv_vocab*.txt)
+    and the tokenizer code such a folder names in its tokenizer_config.json (*tokenizer*.py)."""
+    found = {name: folder / name for name in TOKENIZER_NAMES if (folder / name).is_file()}
+    for pattern in ("rwkv_vocab*.txt", "*tokenizer*.py"):
+        found.update((p.name, p) for p in sorted(folder.glob(pattern)) if p.is_file())
+    return found
+
+
+def tokenizer_files(spec: str, what: str = "tokenizer") -> dict[str, Path]:
+    """The files of a tokenizer spec: "rwkv-world", a tokenizer.json file, a World vocabulary .txt, or a folder
+    holding either. An empty dict for a hub id (nothing local to copy); ConvertError for a path that is not there."""
+    if spec == WORLD_SPEC:
+        path = world_vocab_file()
+        if path is None:
+            raise ConvertError(f"{what} {spec!r}: the rwkv package (which ships {WORLD_VOCAB}) is not installed")
+        return {path.name: path}
+    path = Path(resolve_path(spec))
+    if path.is_dir():
+        found = folder_tokenizer_files(path)
+        if not found:
+            raise ConvertError(f"{what} {spec!r}: no tokenizer.json or World vocabulary (rwkv_vocab*.txt) in {path}")
+        return found
+    if path.is_file():
+        if path.suffix == ".txt":
+            return {path.name: path}
+        return {"tokenizer.json": path}
+    if path.exists() or spec.startswith((".", "/")) or spec.endswith((".json", ".txt")):
+        raise ConvertError(f"{what} {spec!r}: no such file or folder")
+    return {}
+
+
+def copy_tokenizer(files: dict[str, Path], folder: Path) -> None:
+    for name, path in files.items():
+        shutil.copyfile(path, folder / name)
+
+
+# ---------------------------------------------------------------------------------------------- writing whole
+def standalone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32, contiguous, each tensor owning its memory: safetensors refuses tensors that share storage (the rows of
+    a stacked parameter written as separate tensors), and a .pth would otherwise save whole stacks per row."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach().float().contiguous()
+        whole = v.storage_offset() == 0 and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+        out[k] = v if whole else v.clone()
+    return out
+
+
+@contextmanager
+def staged_output(dst: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path to write into; it becomes `dst` only if the block completes, and on any
+    failure nothing is left behind (neither the temporary path nor parent folders made for it). `dst` must not
+    exist yet (an empty folder is fine), so a conversion never destroys what is there."""
+    if dst.exists() and not (dst.is_dir() and not any(dst.iterdir())):
+        raise ConvertError(f"{dst}: already exists; remove it or choose another destination")
+    made = next((p for p in reversed(dst.absolute().parents) if not p.exists()), None)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+        if dst.is_dir():
+            dst.rmdir()
+        tmp.rename(dst)
+    except BaseException:
+        _remove(tmp)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+# ------------------------------------------------------------------------------------------- checking tensors
+def empty_state(args) -> dict[str, torch.Tensor]:
+    """The model's state dict on the meta device: every name and shape, no memory."""
     with torch.device("meta"):
-        model = build_model(args)
-    return model.to_empty(device=device)
+        return build_model(args).state_dict()
 
 
-def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+def check_tensors(file: str | Path, got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                  ignored: set[str] = frozenset()) -> None:
+    """ConvertError naming the first missing, extra or misshapen tensor of `got` (names in the file's own terms),
+    and how many problems there are in all. `ignored` names may be present or not."""
+    problems = [f"missing tensor {k}" for k in expected if k not in got and k not in ignored]
+    problems += [f"tensor {k} is not part of this model" for k in got if k not in expected and k not in ignored]
+    problems += [f"tensor {k} has shape {tuple(got[k].shape)}, the config says {tuple(v.shape)}"
+                 for k, v in expected.items() if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ConvertError(f"{file}: {problems[0]}{more}")
+
+
+def build_args(name: str, fields: dict, file: str | Path):
+    """The Args dataclass of model `name` from `fields`, validated; ConvertError naming the file otherwise."""
+    args_cls = model_args_class(name)
+    if args_cls is None:
+        raise ConvertError(f"{file}: unknown model {name!r} (known: {', '.join(known_models())})")
+    try:
+        args = build_dataclass(args_cls, {"name": name, **fields}, "model")
+        args.validate()
+    except ConfigError as e:
+        raise ConvertError(f"{file}: {e.line()}") from None
+    return args
+
+
+# -------------------------------------------------------------------------------------------- export folders
+def is_export_folder(folder: Path) -> bool:
+    try:
+        meta = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and isinstance(meta.get("model"), dict) and "name" in meta["model"]
+
+
+def read_args(folder: str | Path):
+    path = Path(folder) / CONFIG
+    try:
+        meta = json.loads(path.read_text())["model"]
+        fields = {k: v for k, v in meta.items() if k != "name"}
+        return build_args(meta["name"], fields, path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, ConvertError):
+            raise
+        raise ConvertError(f"{path}: not a flame export config ({type(e).__name__}: {e})") from None
+
+
+def read_export(folder: str | Path) -> ModelState:
+    folder = Path(folder)
+    args = read_args(folder)
+    path = folder / WEIGHTS
+    try:
+        state = {k: v.float() for k, v in load_file(str(path)).items()}
+    except (OSError, SafetensorError) as e:
+        raise ConvertError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    check_tensors(path, state, empty_state(args))
+    step = json.loads((folder / CONFIG).read_text()).get("step")
+    return ModelState(args, state, str(folder.resolve()), step, folder_tokenizer_files(folder))
+
+
+def write_export(dst: str | Path, model: ModelState) -> Path:
+    """`dst` as an export folder, complete or absent."""
+    dst = Path(dst)
+    with staged_output(dst) as tmp:
+        tmp.mkdir()
+        save_file(standalone(model.state), str(tmp / WEIGHTS))
+        meta = {"model": dataclasses.asdict(model.args), "step": model.step, "source": model.source}
+        (tmp / CONFIG).write_text(json.dumps(meta, indent=2))
+        copy_tokenizer(model.tokenizer, tmp)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------- run folders
+def is_run_folder(folder: Path) -> bool:
+    return (folder / "checkpoint").is_dir() or (folder / "config.toml").is_file()
+
+
+def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
+    """The model of a run folder's newest complete checkpoint (or `step`), whatever the number of ranks that saved
+    it, with the tokenizer its config names."""
+    run_dir = Path(run_dir)
     folder = run_dir / "checkpoint"
     steps = complete_steps(folder)
     if not steps:
-        raise FileNotFoundError(f"no complete checkpoint in {folder}")
+        raise ConvertError(f"{folder}: no complete checkpoint")
     step = steps[-1] if step is None else step
     if step not in steps:
-        raise FileNotFoundError(f"no complete checkpoint step-{step} in {folder} (complete: {steps})")
+        raise ConvertError(f"{folder}: no complete checkpoint step-{step} (complete: {steps})")
     path = str(folder / f"step-{step}")
     train_state = {"config": ""}
     with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load({"train_state": train_state}, checkpoint_id=path, no_dist=True)
         cfg = config_from_toml(train_state["config"])
-        model = _empty_model(cfg.model)
-        state = {"model": model.state_dict()}
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        state = {"model": model.to_empty(device="cpu").state_dict()}
         dcp.load(state, checkpoint_id=path, no_dist=True)  # full tensors, whatever the number of ranks that saved
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(json.dumps(
-        {"model": dataclasses.asdict(cfg.model), "step": step, "source": str(run_dir.resolve())}, indent=2))
-    tokenizer = _tokenizer_file(cfg.data.tokenizer)
-    if tokenizer is not None:
-        shutil.copy(tokenizer, out_dir / "tokenizer.json")
-    else:
-        print(f"note: tokenizer {cfg.data.tokenizer!r} is not a local file; not copied", file=sys.stderr)
-    return out_dir
+    note = f"tokenizer {cfg.data.tokenizer!r} is not a local file; not copied"
+    try:
+        tokenizer = tokenizer_files(cfg.data.tokenizer, f"{run_dir}: data.tokenizer")
+    except ConvertError as e:  # the weights are still worth having
+        tokenizer, note = {}, f"{e}; no tokenizer copied"
+    return ModelState(cfg.model, {k: v.float() for k, v in state["model"].items()}, str(run_dir.resolve()), step,
+                      tokenizer, note)
 
 
-def _tokenizer_file(name: str) -> Path | None:
-    for base in (Path.cwd(), REPO):
-        p = base / name
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if p.is_file():
-            return p
-    return None
+def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+    model = read_run(run_dir, step)
+    for note in model.messages():
+        print(f"note: {note}", file=sys.stderr)
+    return write_export(out_dir, model)
 
 
-def read_args(folder: str | Path):
-    meta = json.loads((Path(folder) / "config.json").read_text())["model"]
-    args_cls = model_args_class(meta["name"])
-    if args_cls is None:
-        raise ValueError(f"{folder}: unknown model {meta['name']!r}")
-    return build_dataclass(args_cls, meta, "model")
-
-
+# ------------------------------------------------------------------------------------------------ loading back
 def load_exported(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """The exported model, ready for evaluation or generation."""
-    model = _empty_model(read_args(folder), device)
+    args = read_args(folder)
+    with torch.device("meta"):
+        model = build_model(args)
+    model = model.to_empty(device=device)
     load_exported_weights(model, folder)
     return model
 
 
-def load_exported_weights(model: nn.Module, folder: str | Path) -> None:
-    """Copy an exported folder's weights into `model` (same architecture), naming any mismatch."""
-    weights = load_file(str(Path(folder) / "model.safetensors"))
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str | Path, args=None) -> None:
+    """Copy flame-named `weights` into `model`; ValueError naming every tensor that does not fit (and, given the
+    source's args, the model settings that differ) otherwise."""
     own = model.state_dict()
-    problems = [f"{k}: missing from {folder}" for k in own if k not in weights]
+    problems = [f"{k}: missing from {source}" for k in own if k not in weights]
     problems += [f"{k}: not in this model" for k in weights if k not in own]
-    problems += [f"{k}: shape {tuple(weights[k].shape)} in {folder}, {tuple(v.shape)} here"
+    problems += [f"{k}: shape {tuple(weights[k].shape)} in {source}, {tuple(v.shape)} here"
                  for k, v in own.items() if k in weights and weights[k].shape != v.shape]
     if problems:
-        raise ValueError("exported weights do not fit this model:\n  " + "\n  ".join(problems[:8]))
+        mine = getattr(model, "args", None)
+        changed = []
+        if args is not None and mine is not None:
+            changed = [f"model.{k}: {v!r} in {source}, {getattr(mine, k, None)!r} here"
+                       for k, v in vars(args).items() if getattr(mine, k, None) != v]
+        raise ValueError("weights do not fit this model:\n  " + "\n  ".join(problems[:8])
+                         + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+                         + ("\nmodel settings that differ:\n  " + "\n  ".join(changed) if changed else ""))
     model.load_state_dict(weights)
+
+
+def load_exported_weights(model: nn.Module, folder: str | Path) -> None:
+    """Copy an exported folder's weights into `model` (same architecture), naming any mismatch."""
+    exported = read_export(folder)
+    load_weights(model, exported.state, folder, exported.args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,7 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     a = p.parse_args(argv)
-    out = export(a.run_dir, a.out_dir, a.step)
+    try:
+        out = export(a.run_dir, a.out_dir, a.step)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"exported {a.run_dir} to {out}")
 
 

@@ -23,7 +23,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from flame.checkpoint import Checkpointer, check_compatible, rng_state, set_rng_state
 from flame.config import Config, ConfigError, load_config, to_toml
 from flame.data import build_train_loader, check_sources
-from flame.export import load_exported_weights
+from flame.convert import load_init_weights
 from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
@@ -72,7 +72,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         model.init_weights()
         if c.init_from and resume_step is None:
-            load_exported_weights(model, c.init_from)
+            load_init_weights(model, c.init_from)
             self.print(f"initialized from {c.init_from}")
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)

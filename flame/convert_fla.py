@@ -1,0 +1,345 @@
+"""FLA (flash-linear-attention) / Hugging Face model folders <-> flame weights, for RWKV-7 and GSA.
+
+An FLA folder is config.json (model_type, architectures and every field FLA's config class writes) + the weights as
+model.safetensors, sharded safetensors with model.safetensors.index.json, or pytorch_model.bin (+ its index), and
+maybe tokenizer files. The folders written here load with transformers' AutoModelForCausalLM.from_pretrained once
+fla is imported. The model's settings come from config.json; every tensor's name and shape is checked against them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from flame.export import (CONFIG, ConvertError, ModelState, build_args, check_tensors, copy_tokenizer, empty_state,
+                          folder_tokenizer_files, staged_output, standalone)
+
+RWKV_LM_GROUP_NORM_EPS = 64e-5
+"""flame's (and RWKV-LM's) ln_x epsilon; FLA's is head_dim * norm_eps."""
+
+
+def _require(cfg: dict, key: str, want, file: Path, default=None) -> None:
+    got = cfg.get(key, default)
+    if got != want:
+        raise ConvertError(f"{file}: {key} = {got!r} is not supported (flame's model needs {want!r})")
+
+
+def _int(cfg: dict, key: str, default, file: Path) -> int:
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConvertError(f"{file}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _norm(out: dict, dst: str, state: dict, src: str, bias: bool = True) -> None:
+    out[f"{dst}.weight"] = state[f"{src}.weight"]
+    if bias:
+        out[f"{dst}.bias"] = state[f"{src}.bias"]
+
+
+# ------------------------------------------------------------------------------------------------------ RWKV-7
+class RWKV7Layout:
+    """FLA's RWKV7ForCausalLM: model.embeddings, model.layers.i.{pre_norm (layer 0: flame's embed_norm), attn_norm,
+    attn, ffn_norm, ffn}, model.norm, lm_head. Inside attn: x_r..x_g [1, 1, C] (the rows of flame's lerp), and the
+    low-rank paths as LoRA modules: {w,a,v,g}_lora.lora.0 = Linear(C, r) holding w1^T, lora.2 = Linear(r, C) holding
+    w2^T with bias w0 (a0, v0; the gate's has no bias); g_norm = ln_x."""
+
+    model_type, flame_name, architecture = "rwkv7", "rwkv7", "RWKV7ForCausalLM"
+    LERP = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+    LORA = {"w": "w_lora", "a": "a_lora", "v": "v_lora", "g": "g_lora"}
+    SAME = ("k_k", "k_a", "r_k", "r_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+    def config(self, args) -> dict:
+        C, L = args.hidden_size, args.num_layers
+        return {
+            "a_low_rank_dim": args.lora("a"), "architectures": [self.architecture], "attn": None, "attn_mode": "chunk",
+            "bos_token_id": 1, "decay_low_rank_dim": args.lora("decay"), "dtype": "float32", "eos_token_id": 2,
+            "fuse_cross_entropy": True, "fuse_linear_cross_entropy": False, "fuse_norm": True,
+            "gate_low_rank_dim": args.lora("gate"), "head_dim": args.head_dim, "hidden_act": "sqrelu",
+            "hidden_ratio": args.ffn_mult, "hidden_size": C, "initializer_range": 0.02,
+            "intermediate_size": args.ffn_mult * C, "max_position_embeddings": 2048, "model_type": self.model_type,
+            "norm_bias": True, "norm_eps": args.norm_eps, "norm_first": True, "num_heads": C // args.head_dim,
+            "num_hidden_layers": L, "pad_token_id": None, "tie_word_embeddings": False, "use_cache": True,
+            "use_l2warp": True, "v_low_rank_dim": args.lora("v"), "value_dim": [C] * L,
+            "vocab_size": args.vocab_size,
+        }
+
+    def check_writable(self, args, source: str) -> None:
+        """Every flame RWKV-7 has an FLA counterpart."""
+
+    def notes(self, args) -> list[str]:
+        eps = args.head_dim * args.norm_eps
+        if math.isclose(eps, RWKV_LM_GROUP_NORM_EPS, rel_tol=1e-6):
+            return []
+        return [f"FLA's ln_x (g_norm) epsilon is head_dim * norm_eps = {eps:g}, flame's is "
+                f"{RWKV_LM_GROUP_NORM_EPS:g}: logits differ slightly between the two"]
+
+    def args(self, cfg: dict, file: Path):
+        if cfg.get("attn") is not None:
+            raise ConvertError(f"{file}: attn = {cfg['attn']!r}: hybrid models with attention layers are not "
+                               f"supported")
+        _require(cfg, "norm_first", True, file, True)
+        _require(cfg, "norm_bias", True, file, True)
+        _require(cfg, "hidden_act", "sqrelu", file, "sqrelu")
+        C = _int(cfg, "hidden_size", 2048, file)
+        L = _int(cfg, "num_hidden_layers", 24, file)
+        head_dim = cfg.get("head_dim", 64)
+        if head_dim is None:
+            head_dim = C // _int(cfg, "num_heads", None, file)
+        value_dim = cfg.get("value_dim")
+        if value_dim is not None and any(v != C for v in (value_dim if isinstance(value_dim, list) else [value_dim])):
+            raise ConvertError(f"{file}: value_dim = {value_dim!r} is not supported (flame's RWKV-7 has value "
+                               f"width = hidden_size = {C})")
+        factor = head_dim / 64   # FLA widens the decay, a and v paths for heads over 64 when it picks the widths
+
+        def rank(key: str, config_default: int, sqrt_factor: float, head_factor: float) -> int:
+            r = cfg.get(key, config_default)
+            return max(32, int(round(sqrt_factor * C ** 0.5 * head_factor / 32) * 32)) if r is None else r
+
+        ratio = cfg.get("hidden_ratio", 4) or 4
+        ffn = cfg.get("intermediate_size") or 32 * math.ceil(C * ratio / 32)
+        if ffn % C:
+            raise ConvertError(f"{file}: intermediate_size {ffn} is not a multiple of hidden_size {C} (flame's "
+                               f"channel mix is ffn_mult * hidden_size wide)")
+        fields = {"vocab_size": _int(cfg, "vocab_size", 32000, file), "hidden_size": C, "num_layers": L,
+                  "head_dim": head_dim, "decay_low_rank": rank("decay_low_rank_dim", 64, 2.5, factor),
+                  "a_low_rank": rank("a_low_rank_dim", 64, 2.5, factor),
+                  "v_low_rank": rank("v_low_rank_dim", 16, 1.7, factor),
+                  "gate_low_rank": rank("gate_low_rank_dim", 128, 5.0, 1.0), "ffn_mult": ffn // C,
+                  "norm_eps": float(cfg.get("norm_eps", 1e-5))}
+        return build_args(self.flame_name, fields, file)
+
+    def to_fla(self, state: dict, args) -> dict:
+        out = {"model.embeddings.weight": state["embed.weight"]}
+        _norm(out, "model.layers.0.pre_norm", state, "embed_norm")
+        C = args.hidden_size
+        for i in range(args.num_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            a, att = ours + "attn.", theirs + "attn."
+            _norm(out, theirs + "attn_norm", state, ours + "attn_norm")
+            for j, name in enumerate(self.LERP):
+                out[att + name] = state[a + "lerp"][j].reshape(1, 1, C)
+            for name in self.SAME:
+                out[att + name] = state[a + name]
+            for x, lora in self.LORA.items():
+                if x == "v" and i == 0:
+                    continue
+                out[f"{att}{lora}.lora.0.weight"] = state[f"{a}{x}1"].t()
+                out[f"{att}{lora}.lora.2.weight"] = state[f"{a}{x}2"].t()
+                if x != "g":
+                    out[f"{att}{lora}.lora.2.bias"] = state[f"{a}{x}0"]
+            _norm(out, att + "g_norm", state, a + "ln_x")
+            _norm(out, theirs + "ffn_norm", state, ours + "ffn_norm")
+            for name in ("x_k", "key.weight", "value.weight"):
+                out[f"{theirs}ffn.{name}"] = state[f"{ours}ffn.{name}"]
+        _norm(out, "model.norm", state, "norm")
+        out["lm_head.weight"] = state["lm_head.weight"]
+        return out
+
+    def from_fla(self, sd: dict, args) -> dict:
+        out = {"embed.weight": sd["model.embeddings.weight"]}
+        _norm(out, "embed_norm", sd, "model.layers.0.pre_norm")
+        for i in range(args.num_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            a, att = ours + "attn.", theirs + "attn."
+            _norm(out, ours + "attn_norm", sd, theirs + "attn_norm")
+            out[a + "lerp"] = torch.stack([sd[att + name].reshape(-1) for name in self.LERP])
+            for name in self.SAME:
+                out[a + name] = sd[att + name]
+            for x, lora in self.LORA.items():
+                if x == "v" and i == 0:
+                    continue
+                out[f"{a}{x}1"] = sd[f"{att}{lora}.lora.0.weight"].t()
+                out[f"{a}{x}2"] = sd[f"{att}{lora}.lora.2.weight"].t()
+                if x != "g":
+                    out[f"{a}{x}0"] = sd[f"{att}{lora}.lora.2.bias"]
+            _norm(out, a + "ln_x", sd, att + "g_norm")
+            _norm(out, ours + "ffn_norm", sd, theirs + "ffn_norm")
+            for name in ("x_k", "key.weight", "value.weight"):
+                out[f"{ours}ffn.{name}"] = sd[f"{theirs}ffn.{name}"]
+        _norm(out, "norm", sd, "model.norm")
+        out["lm_head.weight"] = sd["lm_head.weight"]
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------- GSA
+class GSALayout:
+    """FLA's GSAForCausalLM. flame's GSA uses FLA's names inside each block, so only the prefixes differ: FLA's
+    model.embeddings / model.layers / model.norm are flame's embed / layers / norm (lm_head is lm_head)."""
+
+    model_type, flame_name, architecture = "gsa", "gsa", "GSAForCausalLM"
+    PREFIXES = (("embed.", "model.embeddings."), ("layers.", "model.layers."), ("norm.", "model.norm."),
+                ("lm_head.", "lm_head."))
+    FLA_G_NORM_EPS = 1e-5
+    """FLA 0.6.0 normalizes the attention output inside its fused norm + o_proj at that function's default eps,
+    whatever norm_eps says."""
+
+    def config(self, args) -> dict:
+        normalizer = args.gate_logit_normalizer
+        return {
+            "architectures": [self.architecture], "attn": None, "attnres_block_size": None, "bos_token_id": 1,
+            "clamp_max": None, "clamp_min": None, "conv_size": args.conv_size, "dtype": "float32",
+            "elementwise_affine": True, "eos_token_id": 2, "expand_k": 1, "expand_v": 1, "feature_map": "swish",
+            "fuse_cross_entropy": True, "fuse_linear_cross_entropy": False, "fuse_norm": True, "fuse_swiglu": True,
+            "gate_logit_normalizer": int(normalizer) if float(normalizer).is_integer() else normalizer,
+            "hidden_act": "swish", "hidden_ratio": args.hidden_ratio, "hidden_size": args.hidden_size,
+            "initializer_range": args.initializer_range, "intermediate_size": args.intermediate_size,
+            "max_position_embeddings": 2048, "model_type": self.model_type, "norm_eps": args.norm_eps,
+            "num_heads": args.num_heads, "num_hidden_layers": args.num_layers, "num_kv_heads": None,
+            "num_slots": args.num_slots, "pad_token_id": None, "tie_word_embeddings": False, "use_cache": True,
+            "use_l2warp": False, "use_norm": True, "use_output_gate": False, "use_short_conv": args.use_short_conv,
+            "vocab_size": args.vocab_size,
+        }
+
+    def check_writable(self, args, source: str) -> None:
+        if args.output_gate:
+            raise ConvertError(f"{source}: model.output_gate = true (attn.g_proj) has no counterpart in FLA's GSA; "
+                               f"it cannot be converted to FLA")
+
+    def notes(self, args) -> list[str]:
+        if math.isclose(args.g_norm_eps, self.FLA_G_NORM_EPS, rel_tol=1e-6):
+            return []
+        return [f"FLA's GSA normalizes the attention output at eps {self.FLA_G_NORM_EPS:g}, this model at "
+                f"g_norm_eps = {args.g_norm_eps:g}: logits differ slightly between the two"]
+
+    def args(self, cfg: dict, file: Path):
+        if cfg.get("attn") is not None:
+            raise ConvertError(f"{file}: attn = {cfg['attn']!r}: hybrid models with attention layers are not "
+                               f"supported")
+        for key, want, default in (("expand_k", 1, 1), ("expand_v", 1, 1), ("feature_map", "swish", "swish"),
+                                   ("use_norm", True, True), ("elementwise_affine", True, True),
+                                   ("hidden_act", "swish", "swish"), ("attnres_block_size", None, None)):
+            _require(cfg, key, want, file, default)
+        C = _int(cfg, "hidden_size", 2048, file)
+        heads = _int(cfg, "num_heads", 4, file)
+        if cfg.get("num_kv_heads") not in (None, heads):
+            raise ConvertError(f"{file}: num_kv_heads = {cfg['num_kv_heads']!r} is not supported (flame's GSA has "
+                               f"as many key/value heads as heads, {heads})")
+        slots = cfg.get("num_slots", 64)
+        fields = {"vocab_size": _int(cfg, "vocab_size", 32000, file), "hidden_size": C,
+                  "num_layers": _int(cfg, "num_hidden_layers", 24, file), "num_heads": heads,
+                  "num_slots": C // heads if slots is None else slots,   # FLA: one slot per key channel when unset
+                  "gate_logit_normalizer": float(cfg.get("gate_logit_normalizer", 8) or 8),
+                  "use_short_conv": bool(cfg.get("use_short_conv", False)), "conv_size": cfg.get("conv_size", 4),
+                  "hidden_ratio": cfg.get("hidden_ratio", 4) or 4, "intermediate_size": cfg.get("intermediate_size"),
+                  "norm_eps": float(cfg.get("norm_eps", 1e-6)), "g_norm_eps": self.FLA_G_NORM_EPS,
+                  "initializer_range": float(cfg.get("initializer_range", 0.02)), "output_gate": False}
+        return build_args(self.flame_name, fields, file)
+
+    def to_fla(self, state: dict, args) -> dict:
+        return {self._rename(k, 0, 1): v for k, v in state.items()}
+
+    def from_fla(self, sd: dict, args) -> dict:
+        return {self._rename(k, 1, 0): v for k, v in sd.items()}
+
+    def _rename(self, name: str, src: int, dst: int) -> str:
+        for pair in self.PREFIXES:
+            if name.startswith(pair[src]):
+                return pair[dst] + name[len(pair[src]):]
+        return name
+
+
+LAYOUTS = {layout.model_type: layout for layout in (RWKV7Layout(), GSALayout())}
+"""FLA model_type -> its layout."""
+
+
+def _layout_for_flame(name: str, source: str):
+    for layout in LAYOUTS.values():
+        if layout.flame_name == name:
+            return layout
+    raise ConvertError(f"{source}: --to fla has no FLA model for flame's {name!r} "
+                       f"(FLA models: {', '.join(sorted(LAYOUTS))})")
+
+
+# ------------------------------------------------------------------------------------------------ folders
+def is_fla_folder(folder: Path) -> bool:
+    try:
+        cfg = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "model_type" in cfg
+
+
+def load_weights(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of an HF folder, whichever of the usual weight layouts it uses, and the file to name in
+    messages about them."""
+    for index_name, loader in (("model.safetensors.index.json", _load_safetensors),
+                               ("pytorch_model.bin.index.json", _load_bin)):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError, TypeError):
+                raise ConvertError(f"{index}: not a weight index (no weight_map)") from None
+            sd = {}
+            for shard in shards:
+                sd.update(loader(folder / shard))
+            return sd, index
+    for name, loader in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
+        if (folder / name).is_file():
+            return loader(folder / name), folder / name
+    raise ConvertError(f"{folder}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise ConvertError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
+            from None
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConvertError(f"{path}: not a readable PyTorch file ({str(e).strip().splitlines()[0]})") from None
+    if not isinstance(sd, dict):
+        raise ConvertError(f"{path}: not a state dict")
+    return sd
+
+
+def read_fla(folder: Path) -> ModelState:
+    path = folder / CONFIG
+    cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type")
+    layout = LAYOUTS.get(model_type)
+    if layout is None:
+        raise ConvertError(f"{path}: model_type {model_type!r} is not supported (supported: "
+                           f"{', '.join(sorted(LAYOUTS))})")
+    args = layout.args(cfg, path)
+    sd, file = load_weights(folder)
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd and "model.embeddings.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embeddings.weight"]   # flame's head is its own tensor
+    check_tensors(file, sd, layout.to_fla(empty_state(args), args))
+    state = {k: v.float().contiguous() for k, v in layout.from_fla(sd, args).items()}
+    tokenizer = folder_tokenizer_files(folder)
+    return ModelState(args, state, str(folder.resolve()), None, tokenizer,
+                      f"{folder} holds no tokenizer files; none copied", layout.notes(args))
+
+
+def write_fla(dst: Path, model: ModelState) -> Path:
+    """`dst` as an FLA folder (config.json, model.safetensors in fp32, the tokenizer files), complete or absent."""
+    layout = _layout_for_flame(model.args.name, model.source)
+    layout.check_writable(model.args, model.source)
+    sd = standalone(layout.to_fla(model.state, model.args))
+    config = layout.config(model.args)
+    try:   # FLA's save_pretrained records it; loading does not need it
+        config["transformers_version"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    with staged_output(dst) as tmp:
+        tmp.mkdir()
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        copy_tokenizer(model.tokenizer, tmp)
+    model.notes.extend(layout.notes(model.args))
+    return dst

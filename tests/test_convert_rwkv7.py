@@ -1,0 +1,330 @@
+"""flame.convert for RWKV-7: an RWKV-LM x070 .pth gives the rwkv package's logits once converted, round trips through
+RWKV-LM and FLA are bit-exact, FLA loads the --to fla folder, tokenizers travel along, checkpoint.init_from takes a
+.pth directly. FLA's logits on our export are checked on the GPU (FLA's RWKV-7 takes ~20 s on CPU's interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flame.convert import load_init_weights, main
+from flame.export import WEIGHTS, load_exported, read_export
+from flame.models import build_model
+from tests.helpers import REPO, read_checkpoint, run_train, write_config
+
+LAYERS, WIDTH, HEAD, VOCAB = 3, 128, 64, 300
+RANKS = {"w": 32, "a": 16, "v": 24, "g": 40}   # all different, so a mixed-up path has the wrong shape
+LERP = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+
+
+def rwkv_lm_checkpoint(layers=LAYERS, width=WIDTH, head=HEAD, vocab=VOCAB, ranks=RANKS, seed=0) -> dict:
+    """Random tensors under RWKV-LM's x070 names and shapes (as its RWKV class creates them, v0/v1/v2 in layer 0
+    included), every one nonzero and of a scale where every path moves the logits."""
+    g = torch.Generator().manual_seed(seed)
+    C, H = width, width // head
+
+    def normal(*shape, std=1.0, mean=0.0):
+        return mean + std * torch.randn(*shape, generator=g)
+
+    def norm(prefix):
+        return {f"{prefix}.weight": normal(C, std=0.1, mean=1.0), f"{prefix}.bias": normal(C, std=0.1)}
+
+    sd = {"emb.weight": normal(vocab, C), **norm("blocks.0.ln0")}
+    for i in range(layers):
+        b, att = f"blocks.{i}.", f"blocks.{i}.att."
+        sd.update(norm(b + "ln1"))
+        sd.update(norm(b + "ln2"))
+        sd.update({att + name: torch.rand(1, 1, C, generator=g) for name in LERP})
+        for x, mean in (("w", -1.0), ("a", 0.0), ("v", 0.0)):
+            sd[att + x + "0"] = normal(1, 1, C, std=0.5, mean=mean)
+        for x, r in ranks.items():
+            sd[att + x + "1"] = normal(C, r, std=0.1)
+            sd[att + x + "2"] = normal(r, C, std=0.1)
+        sd[att + "k_k"] = normal(1, 1, C, std=0.1, mean=0.7)
+        sd[att + "k_a"] = normal(1, 1, C, std=0.1, mean=1.0)
+        sd[att + "r_k"] = normal(H, head, std=0.1)
+        for name in ("receptance", "key", "value", "output"):
+            sd[f"{att}{name}.weight"] = normal(C, C, std=C ** -0.5)
+        sd.update(norm(att + "ln_x"))
+        sd[b + "ffn.x_k"] = torch.rand(1, 1, C, generator=g)
+        sd[b + "ffn.key.weight"] = normal(4 * C, C, std=C ** -0.5)
+        sd[b + "ffn.value.weight"] = normal(C, 4 * C, std=(4 * C) ** -0.5)
+    sd.update(norm("ln_out"))
+    sd["head.weight"] = normal(vocab, C, std=C ** -0.5)
+    return sd
+
+
+def fla_name_map(layers: int) -> dict[str, tuple[str, str]]:
+    """FLA RWKV7ForCausalLM name -> (flame name, how FLA holds it): same, row j of lerp, [1,1,C], transposed."""
+    m = {"model.embeddings.weight": ("embed.weight", "same"), "model.norm.weight": ("norm.weight", "same"),
+         "model.norm.bias": ("norm.bias", "same"), "lm_head.weight": ("lm_head.weight", "same")}
+    for p in ("weight", "bias"):
+        m[f"model.layers.0.pre_norm.{p}"] = (f"embed_norm.{p}", "same")
+    for i in range(layers):
+        f, o = f"model.layers.{i}.", f"layers.{i}."
+        for p in ("weight", "bias"):
+            m[f"{f}attn_norm.{p}"] = (f"{o}attn_norm.{p}", "same")
+            m[f"{f}ffn_norm.{p}"] = (f"{o}ffn_norm.{p}", "same")
+            m[f"{f}attn.g_norm.{p}"] = (f"{o}attn.ln_x.{p}", "same")
+        for j, name in enumerate(LERP):
+            m[f"{f}attn.{name}"] = (f"{o}attn.lerp", f"row{j}")
+        for name in ("k_k", "k_a", "r_k", "r_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"):
+            m[f"{f}attn.{name}"] = (f"{o}attn.{name}", "same")
+        for x in ("w", "a", "v", "g"):
+            if x == "v" and i == 0:
+                continue
+            m[f"{f}attn.{x}_lora.lora.0.weight"] = (f"{o}attn.{x}1", "t")
+            m[f"{f}attn.{x}_lora.lora.2.weight"] = (f"{o}attn.{x}2", "t")
+            if x != "g":
+                m[f"{f}attn.{x}_lora.lora.2.bias"] = (f"{o}attn.{x}0", "same")
+        for name in ("x_k", "key.weight", "value.weight"):
+            m[f"{f}ffn.{name}"] = (f"{o}ffn.{name}", "same")
+    return m
+
+
+def held_by_fla(ours: dict, how: str, name: str) -> torch.Tensor:
+    t = ours[name]
+    if how.startswith("row"):
+        return t[int(how[3:])].reshape(1, 1, -1)
+    return t.t() if how == "t" else t
+
+
+def convert(*argv) -> None:
+    main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def pth(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rwkv_lm") / "model.pth"
+    torch.save(rwkv_lm_checkpoint(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(pth, tmp_path_factory):
+    """The .pth converted into a flame export folder."""
+    out = tmp_path_factory.mktemp("flame") / "export"
+    convert(pth, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rwkv_package(pth):
+    """The rwkv package's RWKV_x070 (CPU fp32) on the .pth. Importing it switches global torch settings
+    (TF32, cuDNN benchmark, JIT autocast); they are put back."""
+    pytest.importorskip("rwkv")
+    import importlib
+
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32)
+    autocast = torch._C._jit_set_autocast_mode(True)
+    os.environ.update(RWKV_V7_ON="1", RWKV_JIT_ON="0", RWKV_CUDA_ON="0")
+    try:
+        import rwkv.model
+        if not hasattr(rwkv.model, "RWKV_x070"):   # imported before without RWKV-7
+            importlib.reload(rwkv.model)
+        model = rwkv.model.RWKV_x070(str(pth.with_suffix("")), "cpu fp32")   # it appends .pth itself
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = saved
+        torch._C._jit_set_autocast_mode(autocast)
+    return model
+
+
+def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The rwkv package in RNN mode, one token at a time from a fresh state."""
+    state, out = None, []
+    for t in tokens:
+        logits, state = model.forward(t, state)
+        out.append(logits)
+    return torch.stack(out)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package):
+    model = load_exported(exported).eval()
+    ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        single = model(ids)[0]
+        packed = model(ids, cu_seqlens=torch.tensor([0, 23, 64]))[0]   # two documents in one row
+    tokens = ids[0].tolist()
+    assert relative(single, rnn_logits(rwkv_package, tokens)) < 1e-4
+    apart = torch.cat([rnn_logits(rwkv_package, tokens[:23]), rnn_logits(rwkv_package, tokens[23:])])
+    assert relative(packed, apart) < 1e-4
+    # the settings came from the shapes
+    args = read_export(exported).args
+    assert (args.num_layers, args.hidden_size, args.head_dim, args.vocab_size, args.ffn_mult) == \
+        (LAYERS, WIDTH, HEAD, VOCAB, 4)
+    assert [args.lora(x) for x in ("decay", "a", "v", "gate")] == list(RANKS.values())
+
+
+def test_flame_to_rwkv_lm_and_back_is_bit_exact(pth, exported, tmp_path):
+    out = tmp_path / "again.pth"
+    convert(exported, out, "--to", "rwkv-lm")
+    original, written = torch.load(pth), torch.load(out)
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
+    unused = {"blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2"}   # RWKV-LM's, never read
+    assert all(torch.equal(written[k], original[k]) for k in original if k not in unused)
+    assert all(written[k].dtype == torch.float32 and not written[k].any() for k in unused)
+
+    back = tmp_path / "back"
+    convert(out, back)
+    a, b = read_export(exported), read_export(back)
+    assert a.args == b.args
+    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+
+
+def test_fla_folder_loads_in_fla_and_round_trips(exported, tmp_path):
+    pytest.importorskip("fla")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fla  # noqa: F401  (registers FLA's models with transformers)
+
+    out = tmp_path / "fla"
+    convert(exported, out, "--to", "fla")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "RWKV7ForCausalLM"
+    ours = read_export(exported).state
+    theirs = model.state_dict()
+    names = fla_name_map(LAYERS)
+    assert theirs.keys() == names.keys()
+    for k, (name, how) in names.items():
+        assert torch.equal(theirs[k], held_by_fla(ours, how, name)), k
+    assert sum(v.numel() for v in theirs.values()) == sum(v.numel() for v in ours.values())
+    # config.json holds every field FLA's config class writes, with the same values it writes back
+    written = json.loads((out / "config.json").read_text())
+    config = AutoConfig.from_pretrained(out)
+    config.save_pretrained(tmp_path / "resaved")
+    assert written == json.loads((tmp_path / "resaved" / "config.json").read_text())
+
+    back = tmp_path / "back"
+    convert(out, back)
+    a, b = read_export(exported), read_export(back)
+    assert a.args == b.args
+    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+
+
+def test_fla_made_folder_converts_into_flame(tmp_path):
+    """A folder FLA itself wrote (its config.json, its own init) reads into flame with every tensor in place."""
+    pytest.importorskip("fla")
+    from fla.models import RWKV7Config, RWKV7ForCausalLM
+
+    config = RWKV7Config(hidden_size=WIDTH, num_hidden_layers=2, head_dim=HEAD, vocab_size=VOCAB,
+                         decay_low_rank_dim=32, a_low_rank_dim=16, v_low_rank_dim=24, gate_low_rank_dim=40)
+    torch.manual_seed(0)
+    model = RWKV7ForCausalLM(config)
+    with torch.no_grad():   # FLA zero-initializes several tensors: make every one distinct
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    model.save_pretrained(tmp_path / "fla")
+    convert(tmp_path / "fla", tmp_path / "flame")
+    ours = read_export(tmp_path / "flame").state
+    theirs = model.state_dict()
+    for k, (name, how) in fla_name_map(2).items():
+        assert torch.equal(theirs[k], held_by_fla(ours, how, name)), k
+
+
+@pytest.mark.parametrize("vocab, expected", [(65536, "rwkv_vocab_v20230424.txt"), (50304, "tokenizer.json"),
+                                             (300, None)])
+def test_default_tokenizer_by_vocabulary(tmp_path, capsys, vocab, expected):
+    pth = tmp_path / "m.pth"
+    torch.save(rwkv_lm_checkpoint(layers=2, width=64, vocab=vocab, ranks={"w": 8, "a": 8, "v": 8, "g": 8}), pth)
+    convert(pth, tmp_path / "out")
+    files = {p.name for p in (tmp_path / "out").iterdir()} - {"config.json", WEIGHTS}
+    if expected is None:
+        assert files == set() and "--tokenizer" in capsys.readouterr().err
+        convert(tmp_path / "out", tmp_path / "attached", "--tokenizer", "rwkv-world")
+        files = {p.name for p in (tmp_path / "attached").iterdir()} - {"config.json", WEIGHTS}
+        expected = "rwkv_vocab_v20230424.txt"
+    assert files == {expected}
+    folder = tmp_path / ("attached" if vocab == 300 else "out")
+    if expected == "tokenizer.json":
+        source = REPO / "data" / "tokenizer" / "gpt-neox-20b" / "tokenizer.json"
+    else:
+        import rwkv
+        source = os.path.join(os.path.dirname(rwkv.__file__), expected)
+    assert (folder / expected).read_bytes() == open(source, "rb").read()
+
+
+def test_tokenizer_travels_through_fla_and_back(exported, tmp_path):
+    convert(exported, tmp_path / "fla", "--to", "fla", "--tokenizer", "data/tokenizer/gpt-neox-20b")
+    convert(tmp_path / "fla", tmp_path / "flame")
+    neox = (REPO / "data" / "tokenizer" / "gpt-neox-20b" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "fla" / "tokenizer.json").read_bytes() == neox
+    assert (tmp_path / "flame" / "tokenizer.json").read_bytes() == neox
+
+
+RWKV7_RUN = """
+[job]
+dump_folder = "{dump}"
+[model]
+name = "rwkv7"
+vocab_size = 300
+hidden_size = 128
+num_layers = 3
+head_dim = 64
+decay_low_rank = 32
+a_low_rank = 16
+v_low_rank = 24
+gate_low_rank = 40
+[data]
+synthetic = true
+[training]
+batch_size = 2
+seq_len = 16
+steps = 1
+seed = 7
+[optimizer]
+lr = 1e-30
+[lr_scheduler]
+warmup_steps = 0
+[checkpoint]
+interval = 1000
+[validation]
+enable = false
+"""
+
+
+def test_init_from_takes_an_rwkv_lm_checkpoint(pth, exported, tmp_path):
+    # a run started from the .pth, whose one step at a vanishing lr leaves the weights as loaded
+    path, dump = write_config(tmp_path, "run", RWKV7_RUN)
+    proc = run_train(path, f"--checkpoint.init_from={pth}")
+    assert proc.returncode == 0 and "initialized from" in proc.stdout, proc.stderr[-3000:]
+    trained = read_checkpoint(dump, 1)["model"]
+    converted = read_export(exported).state
+    assert trained.keys() == converted.keys()
+    assert all(torch.equal(trained[k], converted[k]) for k in converted)
+
+    # a model that does not fit: every misfit tensor and the setting behind it are named
+    args = read_export(exported).args
+    args.hidden_size, args.head_dim = 64, 32
+    with torch.device("meta"):
+        small = build_model(args)
+    with pytest.raises(ValueError) as e:
+        load_init_weights(small.to_empty(device="cpu"), pth)
+    assert "embed.weight: shape (300, 128)" in str(e.value) and "model.hidden_size: 128" in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_fla_gives_our_logits_on_cuda(exported, tmp_path, dtype, tolerance):
+    pytest.importorskip("fla")
+    from transformers import AutoModelForCausalLM
+
+    import fla  # noqa: F401
+
+    convert(exported, tmp_path / "fla", "--to", "fla")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "fla").cuda().to(dtype).eval()
+    ours = load_exported(exported, "cuda").eval()
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        want = ours(ids).float()
+        got = theirs(ids).logits.float()
+    assert ((got - want).norm() / want.norm()).item() < tolerance
