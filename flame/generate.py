@@ -7,11 +7,12 @@ loads and speaks, not an inference server.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
+from flame.data.tokenizer import open_tokenizer
 from flame.export import load_exported
 
 
@@ -41,9 +42,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    try:  # the folder's tokenizer.json or World vocabulary (absolute: never read as a hub id)
+        tokenizer = open_tokenizer(str(a.model_dir.absolute()), eos_token=None, bos_token=None)
+    except Exception as e:
+        print(f"error: {a.model_dir}: no usable tokenizer ({e})", file=sys.stderr)
+        raise SystemExit(2) from None
     model = load_exported(a.model_dir).eval()
-    tokenizer = Tokenizer.from_file(str(a.model_dir / "tokenizer.json"))
-    ids = tokenizer.encode(a.prompt).ids
+    ids = tokenizer.encode_batch([a.prompt])[0]
     out = generate(model, ids, a.max_new_tokens, a.temperature, seed=a.seed)
     print(tokenizer.decode(out))
 

@@ -40,7 +40,9 @@ class DataConfig:
     eval_sources: list[SourceConfig] = field(default_factory=list)
     """[[data.eval_sources]] tables, for validation (read in order, never shuffled)."""
     tokenizer: str = "data/tokenizer/gpt-neox-20b/tokenizer.json"
-    """A tokenizer.json path (or a folder holding one) or a hub id."""
+    """A tokenizer.json path (or a folder holding one) or a hub id; or RWKV's World tokenizer (vocabulary 65536):
+    "rwkv-world" (the file the rwkv package ships), a World vocabulary .txt, or a folder holding
+    rwkv_vocab*.txt and no tokenizer.json (an export folder of a World model)."""
     num_workers: int = 2
     """Dataloader worker processes per rank, each tokenizing its own share of the documents; 0 reads in the
     training process. A checkpoint resumes only with the same num_workers and data-parallel size."""
@@ -49,7 +51,10 @@ class DataConfig:
     add_bos: bool = False
     """Put bos_token before every document (eos_token always follows one)."""
     bos_token: str = "<|endoftext|>"
+    """The token put before documents (add_bos). World tokenizer: only "<|endoftext|>", its id 0."""
     eos_token: str = "<|endoftext|>"
+    """The token that ends every document. World tokenizer: only "<|endoftext|>", flame's name for id 0, RWKV's
+    document separator (no text encodes to it; the text "<|endoftext|>" in a document stays text)."""
     varlen: bool = False
     """Batches also carry cu_seqlens (document boundaries over the flattened batch) and no label crosses from one
     document into the next."""
@@ -62,6 +67,7 @@ class DataConfig:
 
         if not self.synthetic:
             check(bool(self.sources), "data.sources", "at least one [[data.sources]] table (or data.synthetic = true)")
+            check(bool(self.tokenizer), "data.tokenizer", "a tokenizer.json path or hub id, or \"rwkv-world\"")
         for name in ("sources", "eval_sources"):
             for i, source in enumerate(getattr(self, name)):
                 source.validate(f"data.{name}[{i}]")

@@ -13,10 +13,10 @@ from flame.data.config import DataConfig
 from flame.data.counters import merge_counters
 from flame.data.pipeline import PipelineSettings, ReaderPipeline, TextDataset
 from flame.data.sources import SourcePlan, plan_sources
-from flame.data.tokenizer import TextTokenizer
+from flame.data.tokenizer import BoundaryTokenError, TextTokenizer, WorldTokenizer, open_tokenizer
 
 
-def check_sources(cfg: DataConfig) -> tuple[list[SourcePlan], TextTokenizer]:
+def check_sources(cfg: DataConfig) -> tuple[list[SourcePlan], TextTokenizer | WorldTokenizer]:
     """Resolve sources, eval sources and tokenizer before training starts; raise ConfigError naming the key.
     Returns the training sources' plans and the tokenizer."""
     plans = plan_sources(cfg, "sources")
@@ -31,17 +31,16 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def load_tokenizer(cfg: DataConfig) -> TextTokenizer:
+def load_tokenizer(cfg: DataConfig) -> TextTokenizer | WorldTokenizer:
     from flame.config import ConfigError
 
     try:
-        return TextTokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
-    except KeyError as e:
-        raise ConfigError("data.eos_token" if "eos_token" in str(e) else "data.bos_token",
-                          "a token of the tokenizer", str(e)) from None
-    except Exception as e:  # a missing file, a bad json, an unknown hub id
-        raise ConfigError("data.tokenizer", "a tokenizer.json file or a reachable hub id",
-                          f"{cfg.tokenizer} ({e})") from None
+        return open_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
+    except BoundaryTokenError as e:
+        raise ConfigError(f"data.{e.setting}", e.expected, e.got) from None
+    except Exception as e:  # a missing file, a bad json or World vocabulary, an unknown hub id
+        raise ConfigError("data.tokenizer", "a tokenizer.json (file or folder), a reachable hub id, "
+                          "\"rwkv-world\" or a World vocabulary .txt", f"{cfg.tokenizer} ({e})") from None
 
 
 def _settings(cfg: DataConfig, plans, *, seq_len: int, batch_size: int, seed: int) -> PipelineSettings:

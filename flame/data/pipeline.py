@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from flame.data.counters import Counters
 from flame.data.packing import Packer
 from flame.data.sources import DocumentStream, SourcePlan
-from flame.data.tokenizer import TextTokenizer
+from flame.data.tokenizer import TextTokenizer, WorldTokenizer, open_tokenizer
 
 TOKENIZE_BATCH = 32  # documents per call into the tokenizer
 
@@ -42,9 +42,9 @@ class PipelineSettings:
 
 class ReaderPipeline:
     def __init__(self, settings: PipelineSettings, *, reader: int, n_readers: int,
-                 tokenizer: TextTokenizer | None = None):
+                 tokenizer: TextTokenizer | WorldTokenizer | None = None):
         s = settings
-        self.tokenizer = tokenizer or TextTokenizer(s.tokenizer, eos_token=s.eos_token, bos_token=s.bos_token)
+        self.tokenizer = tokenizer or open_tokenizer(s.tokenizer, eos_token=s.eos_token, bos_token=s.bos_token)
         self.dtype = np.dtype(np.uint16 if self.tokenizer.vocab_size <= 1 << 16 else np.int32)
         self.prefix = [self.tokenizer.bos_id] if s.add_bos else []
         self.suffix = [self.tokenizer.eos_id]
