@@ -1,8 +1,10 @@
 """Tokens per second of the training loader on the bundled sample, with 0, 1, 2 and 4 dataloader workers.
 
     python scripts/bench_data.py [--seq-len 2048] [--batch-size 8] [--batches 60] [--workers 0 1 2 4]
+                                 [--tokenizer rwkv-world]
 
-Sources: data/sample/pile (0.8) and data/sample/webtext (0.2), GPT-NeoX tokenizer, shuffle buffer 1000 documents.
+Sources: data/sample/pile (0.8) and data/sample/webtext (0.2), shuffle buffer 1000 documents; the GPT-NeoX
+tokenizer, or --tokenizer (any data.tokenizer spec: "rwkv-world" is RWKV's World tokenizer).
 "startup" is the time to the first batch (worker start, tokenizer load, filling the shuffle buffer); tokens/s is
 measured after it, over --batches micro-batches. Workers run one tokenizer thread each; 0 workers tokenizes in
 this process with the tokenizer's own thread pool. Compare with the rate one GPU consumes: a 0.6B model at
@@ -27,6 +29,8 @@ def measure(workers: int, args) -> tuple[float, float]:
     cfg = DataConfig(sources=[SourceConfig(path="data/sample/pile/*.jsonl.zst", weight=0.8),
                               SourceConfig(path="data/sample/webtext/*.parquet", weight=0.2)],
                      num_workers=workers, shuffle_buffer=args.shuffle_buffer, varlen=args.varlen)
+    if args.tokenizer:
+        cfg.tokenizer = args.tokenizer
     cfg.validate()
     start = time.perf_counter()
     loader = build_train_loader(cfg, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=1, dp_rank=0,
@@ -49,10 +53,11 @@ def main() -> None:
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
     parser.add_argument("--varlen", action="store_true")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--tokenizer", default="", help="a data.tokenizer spec (default: the config's GPT-NeoX)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # 4 workers on a 2-core machine
     print(f"cpus: {os.cpu_count()}  seq_len {args.seq_len}  batch {args.batch_size}  batches {args.batches}  "
-          f"shuffle_buffer {args.shuffle_buffer}  varlen {args.varlen}")
+          f"shuffle_buffer {args.shuffle_buffer}  varlen {args.varlen}  tokenizer {args.tokenizer or 'gpt-neox'}")
     print(f"{'workers':>7} | {'startup s':>9} | {'tokens/s':>10}")
     print(f"{'-' * 7}-+-{'-' * 9}-+-{'-' * 10}")
     for workers in args.workers:
