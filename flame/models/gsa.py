@@ -1,9 +1,13 @@
-"""GSA (Gated Slot Attention, Zhang et al. 2024): token mixing through M gated memory slots (kernels.gsa), SwiGLU MLP.
+"""GSA (Gated Slot Attention, Zhang et al. 2024) as published in flash-linear-attention (FLA) 0.6.0: token mixing
+through M gated memory slots (kernels.gsa), SwiGLU MLP.
 
-Layer: q, k through a swish feature map, v through silu; a per-slot forget gate f = logsigmoid(W_f x) / normalizer
-(log space, fp32) writes s = 1 - e^f into the slots; two gated linear-attention passes joined by a softmax over the
-slots (scale 1); per-head RMSNorm of the output (fp32), a swish output gate, o_proj. Optional short causal
-convolutions on q, k, v. Pre-norm blocks (RMSNorm), final RMSNorm, untied head.
+Layer: q, k, v projections (each through a short causal convolution and silu when `use_short_conv`); the swish
+feature map on q, k and silu on v; a per-slot forget gate f = logsigmoid(W_f x) / normalizer (log space, fp32)
+writes s = 1 - e^f into the slots; two gated linear-attention passes joined by a softmax over the slots (scale 1);
+then o_proj(RMSNorm(silu(o))), one RMSNorm (eps 1e-5) over the whole value width. Pre-norm blocks (RMSNorm), final
+RMSNorm, untied head. Init: every matrix, convolution and the embedding normal(0, initializer_range), norms at 1, no
+residual rescaling. Parameter names are FLA's inside each block, so converting a checkpoint renames prefixes only
+(FLA's model.embeddings / model.layers / model.norm are embed / layers / norm here).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class GSAArgs(ModelArgs):
     hidden_size: int = 1024
     """Model width; also the total key and value width (head dims = hidden_size / num_heads)."""
     num_layers: int = 24
-    """Number of blocks."""
+    """Number of blocks (FLA's num_hidden_layers)."""
     num_heads: int = 4
     """GSA heads; each holds M slots of a (hidden_size / num_heads)-dim key and value."""
     num_slots: int = 64
@@ -38,21 +42,27 @@ class GSAArgs(ModelArgs):
     gate_logit_normalizer: float = 8.0
     """Forget gate = logsigmoid(W_f x) / this: larger keeps the slots longer (the paper's damping tau)."""
     use_short_conv: bool = False
-    """Causal depthwise convolutions on q, k, v before their feature maps."""
+    """Causal depthwise convolutions (then silu) on q, k, v before their feature maps."""
     conv_size: int = 4
     """Kernel length of the short convolutions."""
+    hidden_ratio: int = 4
+    """SwiGLU width if intermediate_size is unset: int(hidden * hidden_ratio * 2/3) up to a multiple of 256."""
     intermediate_size: int | None = None
-    """SwiGLU width; None = 8/3 * hidden rounded up to a multiple of 256."""
+    """SwiGLU width; None = from hidden_ratio."""
     norm_eps: float = 1e-6
-    """RMSNorm epsilon (blocks, final norm and the per-head output norm)."""
-    init_std: float = 0.02
-    """Std of the normal init of embeddings and projections (residual outputs scaled by 1/sqrt(2 layers))."""
+    """RMSNorm epsilon of the blocks and the final norm."""
+    g_norm_eps: float = 1e-5
+    """Epsilon of the attention output RMSNorm: FLA's fused norm + o_proj runs at its default 1e-5, not norm_eps."""
+    initializer_range: float = 0.02
+    """Std of the normal init of every matrix, convolution and the embedding (no residual rescaling)."""
+    output_gate: bool = False
+    """Not in FLA: per-head RMSNorm(o) * silu(g_proj(x)) (one more hidden^2 matrix) in place of RMSNorm(silu(o))."""
     loss_chunk_size: int = 4096
     """Tokens per chunk of the output projection + cross entropy."""
 
     def validate(self) -> None:
         super().validate()
-        for key in ("hidden_size", "num_layers", "num_heads", "num_slots", "conv_size"):
+        for key in ("hidden_size", "num_layers", "num_heads", "num_slots", "conv_size", "hidden_ratio"):
             check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
         check(self.hidden_size % self.num_heads == 0, "model.num_heads", "a divisor of model.hidden_size",
               self.num_heads)
@@ -61,11 +71,14 @@ class GSAArgs(ModelArgs):
         check(self.intermediate_size is None or self.intermediate_size >= 1, "model.intermediate_size",
               "an integer >= 1 or unset", self.intermediate_size)
         check(self.norm_eps > 0, "model.norm_eps", "a number > 0", self.norm_eps)
-        check(self.init_std > 0, "model.init_std", "a number > 0", self.init_std)
+        check(self.g_norm_eps > 0, "model.g_norm_eps", "a number > 0", self.g_norm_eps)
+        check(self.initializer_range > 0, "model.initializer_range", "a number > 0", self.initializer_range)
 
     @property
     def ffn_size(self) -> int:
-        return self.intermediate_size or 256 * math.ceil(8 * self.hidden_size / 3 / 256)
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 256 * math.ceil(int(self.hidden_size * self.hidden_ratio * 2 / 3) / 256)
 
 
 class GatedSlotAttention(nn.Module):
@@ -78,36 +91,32 @@ class GatedSlotAttention(nn.Module):
         self.k_proj = nn.Linear(C, C, bias=False)
         self.v_proj = nn.Linear(C, C, bias=False)
         self.f_proj = nn.Linear(C, H * M, bias=False)
-        self.g_proj = nn.Linear(C, C, bias=False)
+        if args.use_short_conv:
+            self.q_conv1d = ShortConv(C, args.conv_size)
+            self.k_conv1d = ShortConv(C, args.conv_size)
+            self.v_conv1d = ShortConv(C, args.conv_size)
+        self.g_proj = nn.Linear(C, C, bias=False) if args.output_gate else None
+        self.g_norm = RMSNorm(self.head_dim if args.output_gate else C, args.g_norm_eps)
         self.o_proj = nn.Linear(C, C, bias=False)
-        self.g_norm = RMSNorm(self.head_dim, args.norm_eps)
-        self.convs = nn.ModuleList(ShortConv(C, args.conv_size) for _ in range(3)) if args.use_short_conv else None
 
     def forward(self, x, cu_seqlens, positions):
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.convs is not None:
-            q, k, v = (conv(t, positions) for conv, t in zip(self.convs, (q, k, v)))
+        if self.args.use_short_conv:
+            q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
         # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
         f = F.logsigmoid(self.f_proj(x).float()).view(B, T, H, M) / self.args.gate_logit_normalizer
         s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0; the log
         # gate f stays fp32 into the kernel, s (a slot write like k and v) goes in the activations' dtype
         o, _ = chunk_gsa(q, k, v, s.to(q.dtype), f, scale=1.0, cu_seqlens=cu_seqlens)
-        o = self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)
-        return self.o_proj(o.reshape(B, T, C).to(x.dtype))
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = self.args.init_std
-        for linear in (self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj):
-            nn.init.normal_(linear.weight, std=std)
-        nn.init.normal_(self.o_proj.weight, std=std / math.sqrt(2 * self.args.num_layers))
-        self.g_norm.reset_parameters()
-        if self.convs is not None:
-            for conv in self.convs:
-                conv.reset_parameters()
+        if self.g_proj is None:
+            # fp32 norm over all heads together; its eps matters: at init mean(silu(o)^2) is only ~1e-4
+            o = self.g_norm(F.silu(o.float()).reshape(B, T, C))
+        else:
+            o = (self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
+        return self.o_proj(o.to(x.dtype))
 
 
 class Block(nn.Module):
@@ -135,17 +144,12 @@ class GSA(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        std = self.args.init_std
-        nn.init.normal_(self.embed.weight, std=std)
-        nn.init.normal_(self.lm_head.weight, std=std)   # logits start with std ~ std * sqrt(hidden): loss ~ ln(V)
-        for block in self.layers:
-            block.attn.reset_parameters()
-            nn.init.normal_(block.mlp.gate_proj.weight, std=std)
-            nn.init.normal_(block.mlp.up_proj.weight, std=std)
-            nn.init.normal_(block.mlp.down_proj.weight, std=std / math.sqrt(2 * self.args.num_layers))
-            block.attn_norm.reset_parameters()
-            block.mlp_norm.reset_parameters()
-        self.norm.reset_parameters()
+        std = self.args.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, ShortConv)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
 
     def forward(self, input_ids, labels=None, cu_seqlens=None):
         B, T = input_ids.shape
@@ -169,5 +173,5 @@ class GSA(nn.Module):
         and an M x V state are each updated and read (4 (K + V) M FLOPs), times 3 for fwd + bwd. No term grows
         with seq_len (the within-chunk pairs are a constant factor of the chunk, not of the sequence)."""
         a = self.args
-        matmul = sum(p.numel() for p in self.parameters() if p.dim() == 2) - self.embed.weight.numel()
+        matmul = sum(p.numel() for p in self.parameters() if p.dim() >= 2) - self.embed.weight.numel()
         return 6 * matmul + 12 * a.num_layers * 2 * a.hidden_size * a.num_slots

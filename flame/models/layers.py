@@ -47,28 +47,27 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise convolution over time (kernel `size`): y_t = sum_j w_j x_{t-j}, j < size. With packed
-    documents (`positions`: each token's position in its own document) no token reads across a document start."""
+    """Causal depthwise convolution over time, then silu: y_t = silu(sum_j weight[:, 0, size-1-j] x_{t-j}), j < size.
+    The weight is laid out as nn.Conv1d's depthwise kernel [dim, 1, size] (its last tap multiplies x_t). Sums in
+    fp32. With packed documents (`positions`: each token's position in its own document) no token reads across a
+    document start."""
 
     def __init__(self, dim: int, size: int = 4):
         super().__init__()
         self.size = size
-        self.weight = nn.Parameter(torch.empty(dim, size))   # weight[:, j] multiplies x_{t-j}
-
-    def reset_parameters(self) -> None:
-        bound = self.size ** -0.5                              # nn.Conv1d's default for a depthwise kernel
-        nn.init.uniform_(self.weight, -bound, bound)
+        self.weight = nn.Parameter(torch.empty(dim, 1, size))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # x [B, T, D]; a handful of shifted adds (size is 2-4): clearer than conv1d plus document masks
-        w = self.weight.to(x.dtype)
-        y = x * w[:, 0]
+        w = self.weight[:, 0].float().flip(-1)                   # w[:, j] multiplies x_{t-j}
+        xf = x.float()
+        y = xf * w[:, 0]
         for j in range(1, min(self.size, x.shape[1])):
-            shifted = torch.nn.functional.pad(x, (0, 0, j, -j))
+            shifted = torch.nn.functional.pad(xf, (0, 0, j, -j))
             if positions is not None:
-                shifted = shifted * (positions >= j).to(x.dtype)[..., None]
+                shifted = shifted * (positions >= j).float()[..., None]
             y = y + shifted * w[:, j]
-        return y
+        return torch.nn.functional.silu(y).to(x.dtype)
 
 
 def count_params(model: nn.Module, embedding: nn.Embedding, exclude_embedding: bool) -> int:
