@@ -126,12 +126,13 @@ class TimeMix(nn.Module):
         self.k_k.copy_(0.71 - linear * 0.1)
         self.k_a.fill_(1.02)
         self.r_k.fill_(-0.04)
-        bound = C ** -0.5
-        nn.init.uniform_(self.r_proj.weight, -0.5 * bound, 0.5 * bound)
-        nn.init.uniform_(self.k_proj.weight, -0.05 * bound, 0.05 * bound)
-        nn.init.uniform_(self.v_proj.weight, -0.5 * bound, 0.5 * bound)
+        # the projections and ln_x as RWKV-LM's generate_init_weight leaves them (it overrides the module's init)
+        nn.init.orthogonal_(self.r_proj.weight, gain=1.0)
+        nn.init.orthogonal_(self.k_proj.weight, gain=0.1)
+        nn.init.orthogonal_(self.v_proj.weight, gain=1.0)
         nn.init.zeros_(self.o_proj.weight)
-        self.ln_x.reset_parameters()
+        self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
+        nn.init.zeros_(self.ln_x.bias)
 
     def forward(self, x, v_first, keep, cu_seqlens):
         B, T, C = x.shape
@@ -175,7 +176,7 @@ class ChannelMix(nn.Module):
         ratio_1_to_almost0 = 1.0 - self.layer_id / self.args.num_layers
         ddd = torch.arange(C, device=self.x_k.device, dtype=torch.float32) / C
         self.x_k.copy_(1.0 - ddd ** (ratio_1_to_almost0 ** 4))
-        nn.init.uniform_(self.key.weight, -0.5 * C ** -0.5, 0.5 * C ** -0.5)
+        nn.init.orthogonal_(self.key.weight, gain=1.0)   # [4C, C]: orthonormal columns, no sqrt(4) shape gain
         nn.init.zeros_(self.value.weight)
 
     def forward(self, x, keep):
