@@ -61,6 +61,9 @@ class ModelArgs:
     """Registered model name: transformer | rwkv7 | gsa | ..."""
     vocab_size: int = 50304
     """Embedding rows; at least the tokenizer's vocabulary (GPT-NeoX 50277, padded to a multiple of 64)."""
+    l2wrap: bool = False
+    """RWKV-LM's L2Wrap: same loss value, but each target position's largest logit gets an extra gradient of
+    1e-4 * logit / (target tokens of the global batch), which keeps logits from growing (flame/loss.py)."""
 
     def validate(self) -> None:
         check(self.vocab_size >= 2, "model.vocab_size", "an integer >= 2", self.vocab_size)

@@ -47,6 +47,8 @@ class RWKV7Args(ModelArgs):
     norm_eps: float = 1e-5
     loss_chunk_size: int = 4096
     """Tokens per chunk of the output projection + cross entropy."""
+    l2wrap: bool = True
+    """RWKV-LM trains RWKV-7 with L2Wrap (see ModelArgs.l2wrap)."""
 
     def validate(self) -> None:
         super().validate()
@@ -243,7 +245,7 @@ class RWKV7(nn.Module):
         x = self.norm(x)
         if labels is None:
             return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
-        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
+        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         return count_params(self, self.embed, exclude_embedding)

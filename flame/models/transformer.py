@@ -148,7 +148,7 @@ class Transformer(nn.Module):
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if labels is None:
             return (x @ weight.t()).float()
-        return output_loss_sum(x, weight, labels, self.args.loss_chunk_size)
+        return output_loss_sum(x, weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         return count_params(self, self.embed, exclude_embedding)
