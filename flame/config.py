@@ -78,9 +78,11 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    """Applied to matrix weights only; norms, biases, vectors and embeddings get none (see decay_embeddings)."""
+    """Decoupled (AdamW) decay of the parameter groups that take it. A model may declare its own groups
+    (`optimizer_groups()`, see flame/optim.py; RWKV-7: RWKV-LM's); otherwise matrices decay, and norms, biases,
+    vectors and embeddings do not (see decay_embeddings)."""
     decay_embeddings: bool = False
-    """Also decay embedding (and untied output) tables."""
+    """Also decay embedding tables, under the default groups (a model that declares its own groups decides)."""
     fused: bool | None = None
     """Fused AdamW kernel; None means: on GPU yes, on CPU no."""
 

@@ -1,34 +1,99 @@
-"""AdamW with parameter groups, and the LR schedule (torchtitan's warmup + linear/cosine/sqrt decay, WSD)."""
+"""AdamW over parameter groups, and the LR schedule (torchtitan's warmup + linear/cosine/sqrt decay, WSD).
+
+A model may declare its own groups with a method `optimizer_groups(self) -> list[ParamGroup]` (RWKV-7 does:
+RWKV-LM's lr and weight-decay groups); a model without one gets `default_groups`: decay on matrices only, not on
+embeddings unless optimizer.decay_embeddings. Groups name parameters as the unwrapped model does: the trainer builds
+the optimizer on the parallelized model, whose names may carry wrapper parts (activation checkpointing's
+`_checkpoint_wrapped_module`, torch.compile's `_orig_mod`), and `clean_name` removes them.
+
+A group's lr_scale multiplies optimizer.lr into the group's own lr; torchtitan's LambdaLR scales each group's initial
+lr, so the ratio holds at every step, and a resume restores it with the optimizer's param_groups.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
 from flame.config import LRSchedulerConfig, OptimizerConfig
 
+WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
-def decays(model: nn.Module, name: str, p: torch.Tensor, decay_embeddings: bool) -> bool:
-    """Weight decay for matrices only: not norms, biases, per-channel vectors, nor (by default) embeddings."""
-    if sum(s > 1 for s in p.shape) < 2:
-        return False
-    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    return decay_embeddings or not isinstance(owner, nn.Embedding)
+
+@dataclass
+class ParamGroup:
+    """Parameters that share one optimizer setting."""
+
+    name: str
+    params: list[str]
+    """Parameter names as the unwrapped model's named_parameters() gives them."""
+    weight_decay: bool
+    """Take optimizer.weight_decay (else none)."""
+    lr_scale: float = 1.0
+    """This group's learning rate = the scheduled learning rate * lr_scale."""
+
+
+def clean_name(name: str) -> str:
+    """The parameter's name in the unwrapped model: wrapper modules' parts removed."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Clean name -> parameter, for every parameter that requires a gradient."""
+    return {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def default_groups(model: nn.Module, decay_embeddings: bool) -> list[ParamGroup]:
+    """Decay matrices only (two or more dimensions above 1): not norms, biases, per-channel vectors, nor (unless
+    decay_embeddings) embedding tables."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for name, p in trainable_parameters(model).items():
+        matrix = sum(s > 1 for s in p.shape) >= 2
+        (decay if matrix and (decay_embeddings or id(p) not in embeddings) else no_decay).append(name)
+    return [ParamGroup("decay", decay, weight_decay=True), ParamGroup("no_decay", no_decay, weight_decay=False)]
+
+
+def model_groups(model: nn.Module, cfg: OptimizerConfig) -> list[tuple[ParamGroup, list[nn.Parameter]]]:
+    """The model's groups (or the default ones) with their parameters; every trainable parameter is in exactly one.
+
+    Empty groups are dropped (a distributed optimizer state dict cannot hold a group without parameters). A group of
+    lr_scale 1 comes first: the trainer logs the first group's lr as the run's learning rate.
+    """
+    params = trainable_parameters(model)
+    declare = getattr(model, "optimizer_groups", None)
+    groups = declare() if declare is not None else default_groups(model, cfg.decay_embeddings)
+    owner: dict[str, str] = {}
+    for group in groups:
+        unknown = [n for n in group.params if n not in params]
+        if unknown:
+            raise ValueError(f"optimizer group {group.name!r} names parameters the model does not train: {unknown[:5]}")
+        for n in group.params:
+            if n in owner:
+                raise ValueError(f"parameter {n} is in optimizer groups {owner[n]!r} and {group.name!r}")
+            owner[n] = group.name
+    missing = [n for n in params if n not in owner]
+    if missing:
+        raise ValueError(f"parameters in no optimizer group ({len(missing)}): {missing[:5]}")
+    kept = sorted((g for g in groups if g.params), key=lambda g: g.lr_scale != 1.0)
+    return [(g, [params[n] for n in g.params]) for g in kept]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, on_gpu: bool) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if decays(model, name, p, cfg.decay_embeddings) else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": tensors, "name": g.name, "lr": cfg.lr * g.lr_scale, "lr_scale": g.lr_scale,
+               "weight_decay": cfg.weight_decay if g.weight_decay else 0.0}
+              for g, tensors in model_groups(model, cfg)]
     fused = on_gpu if cfg.fused is None else cfg.fused
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
                              foreach=None if fused else True)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, steps: int) -> LRSchedulersContainer:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, steps: int):
+    """torchtitan's LRSchedulersContainer: one LambdaLR that scales every group's initial lr by the same factor."""
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # imported when training
+
     schedule = LRSchedulersContainer.Config(warmup_steps=cfg.warmup_steps, decay_type=cfg.decay_type,
                                             decay_ratio=cfg.decay_ratio, min_lr_factor=cfg.min_lr_factor)
     return schedule.build(optimizers=[optimizer], training_steps=steps)

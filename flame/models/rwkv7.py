@@ -1,8 +1,10 @@
 """RWKV-7 "Goose": time mixing through the generalized delta rule (kernels.rwkv7), sqrelu channel mixing.
 
-Follows the official RWKV-LM RWKV-7 (x070) definition and initialization: token shift with learned lerps, low-rank
+Follows the official RWKV-LM RWKV-7 (x070) definition and training: token shift with learned lerps, low-rank
 decay / in-context-rate / value-residual / gate paths, L2-normalized removal key kk, per-head GroupNorm and the r*k
-bonus, pre-LayerNorm blocks with an extra LayerNorm on the embeddings, final LayerNorm, untied head.
+bonus, pre-LayerNorm blocks with an extra LayerNorm on the embeddings, final LayerNorm, untied head. Initialized as
+RWKV-LM's module constructors and then its generate_init_weight leave the weights; optimizer groups and L2Wrap as
+RWKV-LM trains it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flame.config import ModelArgs, check
 from flame.loss import output_loss_sum
 from flame.models import register
 from flame.models.layers import as_one_packed_row, count_params
+from flame.optim import ParamGroup, trainable_parameters
 from kernels.rwkv7 import chunk_rwkv7
 
 DECAY_SCALE = math.exp(-0.5)  # log decay = -exp(-0.5) * sigmoid(.): per-step decay in (0.545, 1)
@@ -246,6 +249,22 @@ class RWKV7(nn.Module):
         if labels is None:
             return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
         return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
+
+    def optimizer_groups(self) -> list[ParamGroup]:
+        """RWKV-LM's groups: the decay bias w0 at twice the learning rate; the weights of the linear layers (head
+        included) and the embedding with weight decay; everything else (low-rank factors, lerps and other vectors,
+        r_k, norms) at 1x without decay. RWKV-LM: decay on small tensors makes the model much worse."""
+        tables = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        lr_2x, decay, lr_1x = [], [], []
+        for name, p in trainable_parameters(self).items():
+            if name.endswith(".attn.w0"):
+                lr_2x.append(name)
+            elif id(p) in tables:
+                decay.append(name)
+            else:
+                lr_1x.append(name)
+        return [ParamGroup("decay", decay, weight_decay=True), ParamGroup("lr_1x", lr_1x, weight_decay=False),
+                ParamGroup("lr_2x", lr_2x, weight_decay=False, lr_scale=2.0)]
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         return count_params(self, self.embed, exclude_embedding)
