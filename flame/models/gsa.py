@@ -163,7 +163,7 @@ class GSA(nn.Module):
         x = self.norm(x)
         if labels is None:
             return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
-        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size)
+        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         return count_params(self, self.embed, exclude_embedding)
