@@ -31,14 +31,14 @@ from torch import nn
 
 from flame.convert_fla import is_fla_folder, read_fla, write_fla
 from flame.convert_rwkv_lm import read_rwkv_lm, write_rwkv_lm
+from flame.data.tokenizer import WORLD_MODEL_VOCAB, WORLD_SPEC
 from flame.export import (ConvertError, ModelState, is_export_folder, is_run_folder, load_weights, read_export,
-                          read_run, tokenizer_files, world_vocab_file, write_export)
+                          read_run, tokenizer_files, write_export)
 
 TARGETS = ("flame", "fla", "rwkv-lm")
 NEOX_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "gpt-neox-20b" / "tokenizer.json"
 NEOX_VOCABS = (50277, 50304)
 """GPT-NeoX-20B's vocabulary, and padded to a multiple of 64 as RWKV-LM's Pile models have it."""
-WORLD_VOCAB_SIZE = 65536
 
 
 def detect(src: Path) -> str:
@@ -78,11 +78,11 @@ def read_model(src: str | Path, step: int | None = None) -> ModelState:
 
 def default_tokenizer(vocab_size: int) -> tuple[dict[str, Path], str | None]:
     """The tokenizer a checkpoint without one most likely used, judged by its vocabulary (and a note when none)."""
-    if vocab_size == WORLD_VOCAB_SIZE:
-        path = world_vocab_file()
-        if path is not None:
-            return {path.name: path}, None
-        return {}, "vocabulary 65536 (RWKV World) but the rwkv package is not installed: no tokenizer copied"
+    if vocab_size == WORLD_MODEL_VOCAB:
+        try:
+            return tokenizer_files(WORLD_SPEC), None
+        except ConvertError as e:
+            return {}, f"vocabulary {vocab_size} (RWKV World), but {e}: no tokenizer copied"
     if vocab_size in NEOX_VOCABS:
         return {"tokenizer.json": NEOX_TOKENIZER}, None
     return {}, f"no tokenizer known for vocabulary {vocab_size}: none copied (attach one with --tokenizer)"
@@ -106,7 +106,7 @@ def convert(src: str | Path, dst: str | Path, to: str = "flame", tokenizer: str 
         raise ConvertError(f"--tokenizer {tokenizer}: an RWKV-LM .pth holds no tokenizer")
     attached = tokenizer_files(tokenizer, "--tokenizer") if tokenizer is not None else None
     if attached == {}:
-        raise ConvertError(f"--tokenizer {tokenizer!r}: no such file or folder")
+        raise ConvertError(f"--tokenizer {tokenizer!r}: not a local tokenizer file or folder (hub ids are not fetched)")
     model = read_model(src, step)
     if attached is not None:
         model.tokenizer = attached

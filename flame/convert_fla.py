@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import pickle
-import zipfile
 from pathlib import Path
 
 import torch
@@ -20,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from flame.export import (CONFIG, ConvertError, ModelState, build_args, check_tensors, copy_tokenizer, empty_state,
-                          folder_tokenizer_files, staged_output, standalone)
+                          folder_tokenizer_files, load_torch_file, staged_output, standalone)
 
 RWKV_LM_GROUP_NORM_EPS = 64e-5
 """flame's (and RWKV-LM's) ln_x epsilon; FLA's is head_dim * norm_eps."""
@@ -298,10 +296,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ConvertError(f"{path}: not a readable PyTorch file ({str(e).strip().splitlines()[0]})") from None
+    sd = load_torch_file(path, "PyTorch weight file")
     if not isinstance(sd, dict):
         raise ConvertError(f"{path}: not a state dict")
     return sd

@@ -10,13 +10,12 @@ they are written as zeros and ignored on reading. The model's settings are read 
 
 from __future__ import annotations
 
-import pickle
-import zipfile
 from pathlib import Path
 
 import torch
 
-from flame.export import ConvertError, ModelState, build_args, check_tensors, empty_state, staged_output, standalone
+from flame.export import (ConvertError, ModelState, build_args, check_tensors, empty_state, load_torch_file,
+                          staged_output, standalone)
 
 LERP = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 """RWKV-LM's names of the rows of flame's attn.lerp, in order."""
@@ -118,11 +117,7 @@ def args_from_shapes(sd: dict[str, torch.Tensor], file: Path):
 
 
 def load_pth(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConvertError(f"{path}: not a readable PyTorch checkpoint ({first})") from None
+    sd = load_torch_file(path)
     if not isinstance(sd, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in sd.items()):
         raise ConvertError(f"{path}: not an RWKV-LM checkpoint (expected a flat dict of named tensors)")
     return sd

@@ -3,7 +3,8 @@
     python -m flame.export RUN_DIR OUT_DIR [--step N]
 
 config.json holds {"model": <model args>, "step": N, "source": <where it came from>}; the tokenizer travels as
-tokenizer.json (a `tokenizers` file) or as RWKV's World vocabulary under its own name (rwkv_vocab_v20230424.txt).
+tokenizer.json (a `tokenizers` file) or as RWKV's World vocabulary (rwkv_vocab_v20230424.txt), as
+flame.data.tokenizer.tokenizer_files names them, so that a folder works as data.tokenizer and for flame.generate.
 `load_exported` gives the model back (evaluation, generation). `python -m flame.convert` writes such folders from
 other formats (and those formats from them); checkpoint.init_from starts a new run from any of them.
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
+import pickle
 import shutil
 import sys
 import warnings
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,14 +34,11 @@ from torch import nn
 from flame.checkpoint import complete_steps
 from flame.config import ConfigError, build_dataclass, config_from_toml
 from flame.data.paths import resolve_path
+from flame.data.tokenizer import tokenizer_files as spec_tokenizer_files
 from flame.models import build_model, known_models, model_args_class
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
-"""RWKV's World tokenizer vocabulary (65,529 tokens, ids up to 65535), as the `rwkv` pip package ships it."""
-WORLD_SPEC = "rwkv-world"
-"""data.tokenizer's name for the World tokenizer."""
 # Files of a Hugging Face tokenizer that travel along with it (the tokenizer itself is tokenizer.json or a vocabulary).
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
@@ -74,15 +73,6 @@ class ModelState:
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer files
-def world_vocab_file() -> Path | None:
-    """The World vocabulary the installed `rwkv` package ships (found without importing the package's model code)."""
-    spec = importlib.util.find_spec("rwkv")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / WORLD_VOCAB
-    return path if path.is_file() else None
-
-
 def folder_tokenizer_files(folder: Path) -> dict[str, Path]:
     """The tokenizer files a model folder holds: Hugging Face tokenizer files, a World vocabulary (rwkv_vocab*.txt)
     and the tokenizer code such a folder names in its tokenizer_config.json (*tokenizer*.py)."""
@@ -93,26 +83,16 @@ def folder_tokenizer_files(folder: Path) -> dict[str, Path]:
 
 
 def tokenizer_files(spec: str, what: str = "tokenizer") -> dict[str, Path]:
-    """The files of a tokenizer spec: "rwkv-world", a tokenizer.json file, a World vocabulary .txt, or a folder
-    holding either. An empty dict for a hub id (nothing local to copy); ConvertError for a path that is not there."""
-    if spec == WORLD_SPEC:
-        path = world_vocab_file()
-        if path is None:
-            raise ConvertError(f"{what} {spec!r}: the rwkv package (which ships {WORLD_VOCAB}) is not installed")
-        return {path.name: path}
+    """The files of a tokenizer spec (as data.tokenizer takes it: "rwkv-world", a tokenizer.json, a World vocabulary
+    .txt, or a folder holding one), by the names under which flame.data.tokenizer finds them in an export folder;
+    a folder's other Hugging Face tokenizer files come along. Empty for a hub id (nothing local to copy);
+    ConvertError for a path that is not there."""
     path = Path(resolve_path(spec))
-    if path.is_dir():
-        found = folder_tokenizer_files(path)
-        if not found:
-            raise ConvertError(f"{what} {spec!r}: no tokenizer.json or World vocabulary (rwkv_vocab*.txt) in {path}")
-        return found
-    if path.is_file():
-        if path.suffix == ".txt":
-            return {path.name: path}
-        return {"tokenizer.json": path}
-    if path.exists() or spec.startswith((".", "/")) or spec.endswith((".json", ".txt")):
-        raise ConvertError(f"{what} {spec!r}: no such file or folder")
-    return {}
+    companions = folder_tokenizer_files(path) if path.is_dir() else {}
+    try:
+        return {**companions, **spec_tokenizer_files(spec)}
+    except FileNotFoundError as e:
+        raise ConvertError(f"{what} {spec!r}: {e}") from None
 
 
 def copy_tokenizer(files: dict[str, Path], folder: Path) -> None:
@@ -178,8 +158,23 @@ def check_tensors(file: str | Path, got: dict[str, torch.Tensor], expected: dict
     problems += [f"tensor {k} has shape {tuple(got[k].shape)}, the config says {tuple(v.shape)}"
                  for k, v in expected.items() if k in got and tuple(got[k].shape) != tuple(v.shape)]
     if problems:
-        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        n = len(problems) - 1
+        more = f" (and {n} more problem{'s' if n > 1 else ''})" if n else ""
         raise ConvertError(f"{file}: {problems[0]}{more}")
+
+
+def load_torch_file(path: Path, what: str = "PyTorch checkpoint") -> dict:
+    """torch.load of a plain tensor file (no code runs: weights_only), memory-mapped where the file allows it."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)   # the legacy (pre-zip) format
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConvertError(f"{path}: not a readable {what} ({first})") from None
 
 
 def build_args(name: str, fields: dict, file: str | Path):
@@ -226,7 +221,8 @@ def read_export(folder: str | Path) -> ModelState:
         raise ConvertError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     check_tensors(path, state, empty_state(args))
     step = json.loads((folder / CONFIG).read_text()).get("step")
-    return ModelState(args, state, str(folder.resolve()), step, folder_tokenizer_files(folder))
+    return ModelState(args, state, str(folder.resolve()), step, folder_tokenizer_files(folder),
+                      f"{folder} holds no tokenizer files; none copied")
 
 
 def write_export(dst: str | Path, model: ModelState) -> Path:

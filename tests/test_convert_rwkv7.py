@@ -9,9 +9,9 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from flame.convert import load_init_weights, main
+from flame.data.tokenizer import open_tokenizer
 from flame.export import WEIGHTS, load_exported, read_export
 from flame.models import build_model
 from tests.helpers import REPO, read_checkpoint, run_train, write_config
@@ -136,11 +136,13 @@ def rwkv_package(pth):
 
 
 def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
-    """The rwkv package in RNN mode, one token at a time from a fresh state."""
+    """The rwkv package in RNN mode, one token at a time from a fresh state (its TorchScript functions run
+    unoptimized: the JIT's profiling runs cost several times the forward itself at this size)."""
     state, out = None, []
-    for t in tokens:
-        logits, state = model.forward(t, state)
-        out.append(logits)
+    with torch.jit.optimized_execution(False):
+        for t in tokens:
+            logits, state = model.forward(t, state)
+            out.append(logits)
     return torch.stack(out)
 
 
@@ -251,6 +253,9 @@ def test_default_tokenizer_by_vocabulary(tmp_path, capsys, vocab, expected):
         import rwkv
         source = os.path.join(os.path.dirname(rwkv.__file__), expected)
     assert (folder / expected).read_bytes() == open(source, "rb").read()
+    # the folder serves as a tokenizer spec (data.tokenizer, flame.generate)
+    tokenizer = open_tokenizer(str(folder), eos_token=None, bos_token=None)
+    assert type(tokenizer).__name__ == ("TextTokenizer" if expected == "tokenizer.json" else "WorldTokenizer")
 
 
 def test_tokenizer_travels_through_fla_and_back(exported, tmp_path):
@@ -322,9 +327,12 @@ def test_fla_gives_our_logits_on_cuda(exported, tmp_path, dtype, tolerance):
 
     convert(exported, tmp_path / "fla", "--to", "fla")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "fla").cuda().to(dtype).eval()
-    ours = load_exported(exported, "cuda").eval()
-    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+    ours = load_exported(exported).eval()   # the fp32 reference: flame's PyTorch path on the CPU
+    # 48 tokens: FLA runs its step-by-step (fused recurrent) kernels below 64, which keep fp32 exact
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        want = ours(ids).float()
-        got = theirs(ids).logits.float()
-    assert ((got - want).norm() / want.norm()).item() < tolerance
+        want = ours(ids)
+        got = theirs(ids.cuda()).logits.float().cpu()
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"{dtype}: FLA vs flame logits, relative error {err:.2e}")
+    assert err < tolerance, err
