@@ -233,6 +233,32 @@ def test_fla_made_folder_converts_into_flame(tmp_path):
         assert torch.equal(theirs[k], held_by_fla(ours, how, name)), k
 
 
+def test_fla_weight_layouts(exported, tmp_path):
+    """Sharded safetensors (model.safetensors.index.json) and pytorch_model.bin read as model.safetensors does."""
+    from safetensors.torch import load_file, save_file
+
+    convert(exported, tmp_path / "fla", "--to", "fla")
+    config = (tmp_path / "fla" / "config.json").read_text()
+    sd = load_file(str(tmp_path / "fla" / "model.safetensors"))
+    names = sorted(sd)
+    sharded, binary = tmp_path / "sharded", tmp_path / "binary"
+    for folder in (sharded, binary):
+        folder.mkdir()
+        (folder / "config.json").write_text(config)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: sd[k] for k in keys}, str(sharded / shard))
+    weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    torch.save({k: v.to(torch.bfloat16) for k, v in sd.items()}, binary / "pytorch_model.bin")
+    want = read_export(exported).state
+    for folder in (sharded, binary):
+        convert(folder, tmp_path / f"{folder.name}_flame")
+        got = read_export(tmp_path / f"{folder.name}_flame").state
+        exact = folder is sharded   # the .bin went through bf16
+        assert all(torch.equal(got[k], want[k] if exact else want[k].bfloat16().float()) for k in want)
+
+
 @pytest.mark.parametrize("vocab, expected", [(65536, "rwkv_vocab_v20230424.txt"), (50304, "tokenizer.json"),
                                              (300, None)])
 def test_default_tokenizer_by_vocabulary(tmp_path, capsys, vocab, expected):
@@ -306,6 +332,10 @@ def test_init_from_takes_an_rwkv_lm_checkpoint(pth, exported, tmp_path):
     converted = read_export(exported).state
     assert trained.keys() == converted.keys()
     assert all(torch.equal(trained[k], converted[k]) for k in converted)
+    # and the run folder (its DCP checkpoint) converts back into the same RWKV-LM tensors
+    convert(dump, tmp_path / "run.pth", "--to", "rwkv-lm", "--step", "1")
+    original, written = torch.load(pth), torch.load(tmp_path / "run.pth")
+    assert all(torch.equal(written[k], v) for k, v in original.items() if not k.startswith("blocks.0.att.v"))
 
     # a model that does not fit: every misfit tensor and the setting behind it are named
     args = read_export(exported).args
