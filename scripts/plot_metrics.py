@@ -3,8 +3,9 @@
     python3 scripts/plot_metrics.py runs/rwkv7_0.1B runs/transformer_0.1B --out loss.png [--x tokens|step]
 
 Each RUN is a run folder (or its metrics.jsonl); its label is the folder name, or LABEL=RUN. Training loss is drawn
-as a line, validation loss (eval_loss, when the run had validation) as dots in the same colour. Where a resumed
-run logged a step twice, the later line wins.
+faintly as logged (each logged step's own batch) and, over it, as the mean of the last --smooth logged values;
+validation loss (eval_loss, when the run had validation) as dots in the same colour. Where a resumed run logged a
+step twice, the later line wins.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files, optionally LABEL=PATH")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     p.add_argument("--x", choices=("tokens", "step"), default="tokens")
+    p.add_argument("--smooth", type=int, default=5, help="logged training values per point of the mean (1: none)")
     p.add_argument("--title", default="")
     a = p.parse_args(argv)
     try:
@@ -53,7 +55,11 @@ def main(argv: list[str] | None = None) -> None:
         label = label or (path.name if path.is_dir() else path.parent.name)
         color = f"C{i}"
         xs, ys = zip(*(train[s] for s in sorted(train))) if train else ((), ())
-        ax.plot(xs, ys, color=color, label=f"{label} (train)")
+        window = max(1, a.smooth)
+        means = [sum(ys[max(0, j - window + 1):j + 1]) / len(ys[max(0, j - window + 1):j + 1]) for j in range(len(ys))]
+        if window > 1:
+            ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(xs, means, color=color, label=f"{label} (train" + (f", mean of {window} logged)" if window > 1 else ")"))
         if val:
             vx, vy = zip(*(val[s] for s in sorted(val)))
             ax.plot(vx, vy, "o", color=color, label=f"{label} (validation)")
