@@ -17,6 +17,12 @@ def pytest_configure(config):
         config._flame_kernel_settings = apply_env()
 
 
+def pytest_xdist_auto_num_workers(config):
+    # `-n auto` (pyproject): one worker per core on CPU; GPU tests run in one process, since they share the card
+    # and some of them time it. None leaves the choice to pytest-xdist.
+    return 0 if torch.cuda.is_available() else None
+
+
 def pytest_report_header(config):
     made = getattr(config, "_flame_kernel_settings", None)
     return f"kernel settings: {made}" if made else None
