@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import re
 import shutil
+import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,7 +24,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from flame.config import CheckpointConfig, Config, config_from_toml
+from flame.config import CheckpointConfig, Config, RunError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -51,8 +57,8 @@ class Checkpointer:
         steps = complete_steps(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
-                raise FileNotFoundError(f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
-                                        f"{self.folder}/step-{self.cfg.load_step} (complete: {steps})")
+                raise RunError(f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
+                               f"{self.folder}/step-{self.cfg.load_step} (complete: {steps or 'none'})")
             return self.cfg.load_step
         if self.cfg.resume == "auto" and steps:
             return steps[-1]
@@ -147,8 +153,51 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_compatible(saved_shapes: dict, model_sd: dict, saved_config: str, cfg: Config, path: Path) -> None:
-    """Stop with a message naming what differs when this config's model does not fit the checkpoint."""
+# On resume, a key of these stays as the checkpoint has it: the weights, and what the tokens mean, depend on them.
+FIXED_ON_RESUME = ("model.", "data.tokenizer", "data.add_bos", "data.bos_token", "data.eos_token", "optimizer.name")
+# These decide what the saved data streams hold (documents, shuffle, packing): a text run resumes its data exactly
+# only with the checkpoint's values; checkpoint.data_state = restart lets them change (the streams start over).
+DATA_BOUND = ("data.sources", "data.synthetic", "data.num_workers", "data.shuffle_buffer", "data.varlen",
+              "data.max_doc_len", "training.seq_len", "training.batch_size", "training.seed")
+WAYS_OUT = ("resume with the checkpoint's settings, or pass --checkpoint.data_state=restart to restart the data "
+            "streams (documents already seen are seen again), or start a new run: a new --job.dump_folder or "
+            "--checkpoint.resume=never")
+
+
+def flat_config(toml_text: str) -> dict[str, object]:
+    """section.key -> value of a config TOML (lists of source tables compare whole)."""
+    return {f"{section}.{key}": value for section, table in tomllib.loads(toml_text).items()
+            for key, value in table.items()}
+
+
+def config_changes(saved_toml: str, current_toml: str) -> list[str]:
+    """Every key whose value differs between the checkpoint's config and this run's, as "key: old -> new"."""
+    old, new = flat_config(saved_toml), flat_config(current_toml)
+    return [f"{k}: {old.get(k, '(unset)')!r} in the checkpoint, {new.get(k, '(unset)')!r} now"
+            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
+def check_resume_config(saved_toml: str, cfg: Config, current_toml: str, where: str) -> list[str]:
+    """The config changes a resume may apply (returned, for a notice); raise RunError (one line) naming those it
+    cannot: FIXED_ON_RESUME always, DATA_BOUND for text data under checkpoint.data_state = strict."""
+    if not saved_toml:  # a checkpoint without its config: nothing to compare
+        return []
+    changes = config_changes(saved_toml, current_toml)
+    fixed = [c for c in changes if c.startswith(FIXED_ON_RESUME)]
+    if fixed:
+        raise RunError(f"{where}: cannot resume with a changed {'; '.join(fixed)}: the model and tokenizer stay as "
+                       "the checkpoint's; use the checkpoint's values, or start a new run: a new --job.dump_folder "
+                       "or --checkpoint.resume=never (checkpoint.init_from takes weights only, from an export)")
+    text_data = not (flat_config(saved_toml).get("data.synthetic") and cfg.data.synthetic)
+    bound = [c for c in changes if c.startswith(DATA_BOUND)]
+    if bound and text_data and cfg.checkpoint.data_state == "strict":
+        raise RunError(f"{where}: the saved data streams depend on {'; '.join(bound)}: {WAYS_OUT}")
+    return changes
+
+
+def check_compatible(saved_shapes: dict, model_sd: dict, path: Path) -> None:
+    """Stop (RunError, one line) naming the tensors that do not fit when this model does not fit the checkpoint
+    (the config comparison, check_resume_config, names the settings first)."""
     problems = []
     for name, tensor in model_sd.items():
         key = f"model.{name}"
@@ -158,14 +207,8 @@ def check_compatible(saved_shapes: dict, model_sd: dict, saved_config: str, cfg:
             problems.append(f"{key} has shape {saved_shapes[key]} in the checkpoint, {tuple(tensor.shape)} here")
     extra = sorted(k for k in saved_shapes if k.startswith("model.") and k[len("model."):] not in model_sd)
     problems += [f"{k} is in the checkpoint but not in this model" for k in extra[:5]]
-    if not problems:
-        return
-    changed = []
-    if saved_config:
-        old = config_from_toml(saved_config).model
-        changed = [f"model.{k}: {getattr(old, k)!r} in the checkpoint, {getattr(cfg.model, k)!r} now"
-                   for k in vars(cfg.model) if getattr(old, k, None) != getattr(cfg.model, k)]
-    raise RuntimeError(f"checkpoint {path} does not fit this model:\n  " + "\n  ".join(problems[:8])
-                       + ("\nconfig differences:\n  " + "\n  ".join(changed) if changed else "")
-                       + "\nUse the checkpoint's model settings, or start a new run folder (checkpoint.init_from "
-                       "takes weights only, from an exported model).")
+    if problems:
+        raise RunError(f"checkpoint {path} does not fit this model: {'; '.join(problems[:4])}"
+                       + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+                       + "; use the checkpoint's model settings, or start a new run: a new --job.dump_folder or "
+                       "--checkpoint.resume=never")

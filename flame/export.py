@@ -246,6 +246,8 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
     """The model of a run folder's newest complete checkpoint (or `step`), whatever the number of ranks that saved
     it, with the tokenizer its config names."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConvertError(f"{run_dir}: no such run folder")
     folder = run_dir / "checkpoint"
     steps = complete_steps(folder)
     if not steps:
@@ -258,7 +260,10 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
     with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load({"train_state": train_state}, checkpoint_id=path, no_dist=True)
-        cfg = config_from_toml(train_state["config"])
+        try:
+            cfg = config_from_toml(train_state["config"])
+        except ConfigError as e:  # saved by a flame whose config keys differ from this one's
+            raise ConvertError(f"{path}: its saved config does not load here ({e.line()})") from None
         with torch.device("meta"):
             model = build_model(cfg.model)
         state = {"model": model.to_empty(device="cpu").state_dict()}

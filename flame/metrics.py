@@ -1,4 +1,8 @@
-"""What a log step reports: one console line, one JSON line in {dump_folder}/metrics.jsonl, wandb if enabled."""
+"""What a log step reports: one console line, one JSON line in {dump_folder}/metrics.jsonl, wandb if enabled.
+
+metrics.jsonl holds each step once: a launch that resumes from step N (or starts fresh, N = 0) first drops the
+file's rows past step N, which a run stopped after its last checkpoint had logged and this one logs again.
+"""
 
 from __future__ import annotations
 
@@ -56,10 +60,12 @@ class MetricsLogger:
     """Rank 0 writes; other ranks only keep time. Throughput counts every rank's tokens."""
 
     def __init__(self, cfg: Config, run_dir: Path, *, rank: int, world_size: int, device: torch.device,
-                 flops_per_token: float, wandb_id: str | None = None):
+                 flops_per_token: float, wandb_id: str | None = None, start_step: int = 0):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(cfg.metrics.peak_tflops, device)
+        if rank == 0:
+            drop_rows_after(run_dir / "metrics.jsonl", start_step)
         self.file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
         self.wandb = None
         self.wandb_id = wandb_id
@@ -118,6 +124,26 @@ class MetricsLogger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Remove the rows of a metrics.jsonl whose step is past `step` (rewritten whole, then renamed); returns how many.
+    A line that is not JSON (cut by a crash mid-write) goes too."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return len(lines) - len(kept)
 
 
 def _jsonable(x):

@@ -94,6 +94,19 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
     """torchtitan's LRSchedulersContainer: one LambdaLR that scales every group's initial lr by the same factor."""
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # imported when training
 
-    schedule = LRSchedulersContainer.Config(warmup_steps=cfg.warmup_steps, decay_type=cfg.decay_type,
+    # a run shorter than its warmup warms up over all of its steps (torchtitan would cap too, with a warning)
+    schedule = LRSchedulersContainer.Config(warmup_steps=min(cfg.warmup_steps, steps), decay_type=cfg.decay_type,
                                             decay_ratio=cfg.decay_ratio, min_lr_factor=cfg.min_lr_factor)
     return schedule.build(optimizers=[optimizer], training_steps=steps)
+
+
+def restore_lr_schedule(scheduler, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Continue the schedule at `step` with this run's settings (lr, warmup, decay, steps), after a checkpoint's
+    optimizer state was loaded: the optimizer's param_groups come back with the saved run's lr, and torchtitan's own
+    load_state_dict recomputes the lr through LambdaLR.get_lr(), which warns when called outside step()."""
+    for sched in scheduler.schedulers:
+        sched.last_epoch, sched._step_count = step, step + 1
+        lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, base, lr in zip(sched.optimizer.param_groups, sched.base_lrs, lrs):
+            group["initial_lr"], group["lr"] = base, lr
+        sched._last_lr = lrs

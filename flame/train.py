@@ -20,14 +20,16 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from flame.checkpoint import Checkpointer, check_compatible, rng_state, set_rng_state
-from flame.config import Config, ConfigError, load_config, to_toml
-from flame.data import build_train_loader, check_sources
+from flame.checkpoint import (WAYS_OUT, Checkpointer, check_compatible, check_resume_config, complete_steps, rng_state,
+                              set_rng_state)
+from flame.config import Config, ConfigError, RunError, load_config, to_toml
+from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
+from flame.export import ConvertError
 from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
-from flame.optim import build_lr_scheduler, build_optimizer
+from flame.optim import build_lr_scheduler, build_optimizer, restore_lr_schedule
 from flame.parallel import all_reduce_sum, init_distributed, parallelize, resolve_dp_degrees
 
 
@@ -54,15 +56,15 @@ class Trainer:
         self.run_dir = Path(cfg.job.dump_folder)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
         dist.barrier()
 
         c = cfg.checkpoint
         use_async = c.async_mode == "async" or (c.async_mode == "auto" and self.d.on_gpu)
         self.checkpointer = Checkpointer(c, self.run_dir, self.rank, use_async=use_async)
+        resume_step = self.checkpointer.step_to_resume() if c.enable else None
+        self.start_run(resume_step)
         for name in self.checkpointer.remove_incomplete():
             self.print(f"removed {name}: a save that never finished")
-        resume_step = self.checkpointer.step_to_resume() if c.enable else None
 
         # Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
         # weights do not depend on the number of ranks), then sharded.
@@ -72,7 +74,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         model.init_weights()
         if c.init_from and resume_step is None:
-            load_init_weights(model, c.init_from)
+            try:
+                load_init_weights(model, c.init_from)
+            except (ConvertError, ValueError) as e:
+                raise RunError(f"checkpoint.init_from = {c.init_from!r}: {one_line(str(e))}") from None
             self.print(f"initialized from {c.init_from}")
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
@@ -100,7 +105,8 @@ class Trainer:
             wandb_id = self.load_checkpoint(resume_step)
             load_seconds = time.perf_counter() - start
         self.metrics = MetricsLogger(cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
-                                     device=self.device, flops_per_token=self.flops_per_token, wandb_id=wandb_id)
+                                     device=self.device, flops_per_token=self.flops_per_token, wandb_id=wandb_id,
+                                     start_step=resume_step or 0)
         ids = [self.metrics.wandb_id]  # only rank 0 talks to wandb; every rank saves the same train state
         dist.broadcast_object_list(ids, src=0)
         self.metrics.wandb_id = ids[0]
@@ -115,6 +121,29 @@ class Trainer:
     def print(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, flush=True)
+
+    def start_run(self, resume_step: int | None) -> None:
+        """Say whether the run resumes or starts fresh. On resume, compare the checkpoint's config with this one:
+        a change it cannot take stops (RunError), the others are listed and applied. Then write config.toml."""
+        current = to_toml(self.cfg)
+        self.last_loss: float | None = None
+        if resume_step is None:
+            never = self.cfg.checkpoint.resume == "never" and bool(complete_steps(self.checkpointer.folder))
+            self.print(f"starting fresh in {self.run_dir}"
+                       + (" (checkpoint.resume = never: its checkpoints are not loaded)" if never else ""))
+        else:
+            self.print(f"resuming run {self.run_dir} from step {resume_step}")
+            ts = {"config": ""}
+            self.checkpointer.load(resume_step, {"train_state": ts})
+            changes = check_resume_config(ts["config"], self.cfg, current,
+                                          f"checkpoint {self.checkpointer.path(resume_step)}")
+            if changes:
+                self.print(f"config changed since step {resume_step} (applied): " + "; ".join(changes))
+        if self.rank == 0:
+            kept = write_config_toml(self.run_dir, current, resume_step or 0)
+            if kept is not None:
+                self.print(f"the previous config.toml differs: kept as {kept}")
+        dist.barrier()
 
     # ---------------------------------------------------------------------------------------------------- the step
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
@@ -157,6 +186,7 @@ class Trainer:
                 if seconds:
                     self.print(f"prepared the CPU buffer for async checkpoints in {seconds:.1f} s (once per run)")
             self.handle_skip(result)
+            self.last_loss = result.loss
             if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps or result.skipped:
                 self.metrics.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                                              "tokens_seen": self.tokens_seen, "target_tokens": result.target_tokens,
@@ -259,8 +289,7 @@ class Trainer:
               "config": ""}
         self.checkpointer.load(step, {"train_state": ts})
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        check_compatible(self.checkpointer.saved_shapes(step), model_sd, ts["config"], self.cfg,
-                         self.checkpointer.path(step))
+        check_compatible(self.checkpointer.saved_shapes(step), model_sd, self.checkpointer.path(step))
         same_layout = (ts["dp_world"], ts["data_workers"]) == (self.d.world_size, self.cfg.data.num_workers)
         state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
         data_key = None
@@ -268,18 +297,21 @@ class Trainer:
             data_key = f"rank_{self.rank}" if same_layout else "rank_0"
             state["dataloader"] = {data_key: self.loader.state_dict()}
         elif self.cfg.checkpoint.data_state == "strict":
-            raise RuntimeError(
-                f"checkpoint step-{step} was written by {ts['dp_world']} data-parallel ranks with "
-                f"{ts['data_workers']} data workers each; this run has {self.d.world_size} and "
-                f"{self.cfg.data.num_workers}. Model and optimizer reshard, but the data streams' positions cannot "
-                f"be split again exactly. Resume with the same layout, or pass --checkpoint.data_state=restart to "
-                "restart the data streams (documents already seen will be seen again).")
+            raise RunError(
+                f"checkpoint {self.checkpointer.path(step)} was written by {ts['dp_world']} data-parallel ranks with "
+                f"{ts['data_workers']} data workers each, this run has {self.d.world_size} and "
+                f"{self.cfg.data.num_workers}: model and optimizer reshard, the data streams' positions do not; "
+                f"{WAYS_OUT.replace('settings', 'layout', 1)}")
         if same_layout:
             state["rng"] = {f"rank_{self.rank}": rng_state()}
         self.checkpointer.load(step, state)
+        # this run's optimizer settings (lr, betas, eps, weight decay) win over the saved param_groups' copies
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["lr_scheduler"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
+        restore_lr_schedule(self.scheduler, self.optimizer, int(state["lr_scheduler"]["last_epoch"]))
         if data_key is not None:
             self.loader.load_state_dict(state["dataloader"][data_key])
         else:
@@ -289,6 +321,15 @@ class Trainer:
         self.step, self.tokens_seen, self.skipped_steps = ts["step"], ts["tokens_seen"], ts["skipped_steps"]
         self.last_saved = self.step
         return ts["wandb_id"] or None
+
+    def closing_line(self) -> str:
+        """What the run did and where its results are (rank 0 prints it once everything is written)."""
+        t = self.cfg.training
+        loss = "n/a" if self.last_loss is None else f"{self.last_loss:.4f}"
+        saved = f", {self.cfg.checkpoint.folder}/step-{self.last_saved}" if self.cfg.checkpoint.enable \
+            and self.last_saved else ""
+        return (f"{'done' if self.step >= t.steps else 'stopped'}: step {self.step} of {t.steps} | loss {loss} | "
+                f"{self.tokens_seen:,} tokens | run folder {self.run_dir} (config.toml, metrics.jsonl{saved})")
 
     def close(self, clean: bool = True) -> None:
         """clean: every rank got here together (an async save in flight is completed). After an error, skip all
@@ -301,6 +342,43 @@ class Trainer:
         if clean:
             dist.barrier()  # no rank tears its process group down while another still talks to it
         dist.destroy_process_group()
+
+
+def write_config_toml(run_dir: Path, text: str, step: int) -> str | None:
+    """Write the run's config.toml. A previous one that differs is kept beside it as config.step-N.toml (N: the step
+    this launch starts from; .2, .3, ... if that name is taken); returns that name, or None."""
+    path, kept = run_dir / "config.toml", None
+    if path.is_file() and path.read_text() != text:
+        kept, n = run_dir / f"config.step-{step}.toml", 2
+        while kept.exists():
+            kept, n = run_dir / f"config.step-{step}.{n}.toml", n + 1
+        path.rename(kept)
+    path.write_text(text)
+    return None if kept is None else kept.name
+
+
+def one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def exit_on_startup_error(e: Exception, config_path: str) -> None:
+    """Print the error's one line and exit 2. Every rank meets a config or resume problem alike: rank 0 says it,
+    the others stay quiet (and wait a moment, so that torchrun does not stop rank 0 before it has said it). A data
+    reader's problem belongs to its own rank, which says it."""
+    if isinstance(e, ConfigError):
+        e.file = e.file or config_path
+        line = e.line()
+    elif isinstance(e, NoDocumentError):
+        line = "data error: " + NoDocumentError.message_of(e)
+    else:
+        line = f"error: {one_line(str(e))}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 or isinstance(e, NoDocumentError):
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
+    sys.stdout.flush()
+    os._exit(2)  # the process group may be half set up: skip its teardown
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -327,13 +405,20 @@ def main(argv: list[str] | None = None) -> None:
         e.file = e.file or (argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None)
         print(e.line(), file=sys.stderr)
         sys.exit(2)
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg)
         trainer.train()
+    except (ConfigError, RunError, NoDocumentError) as e:  # foreseeable: one line, no traceback
+        if trainer is not None:
+            trainer.close(clean=False)
+        exit_on_startup_error(e, path)
     except BaseException:
-        trainer.close(clean=False)
+        if trainer is not None:
+            trainer.close(clean=False)
         raise
     trainer.close()
+    trainer.print(trainer.closing_line())
     # Everything is written and closed. Skip the interpreter's teardown: on CPU, gloo's threads have now and then
     # aborted it (SIGABRT, "terminate called without an active exception") after a clean run.
     sys.stdout.flush()

@@ -26,7 +26,6 @@ def exit_line(capsys, argv) -> str:
     ("--training.compile=1", "training.compile", "true or false"),
     ("--training.seq_len=0", "training.seq_len", "an integer >= 1"),
     ("--optimizer.lr=-1e-3", "optimizer.lr", "a number > 0"),
-    ("--lr_scheduler.warmup_steps=5", "lr_scheduler.warmup_steps", "at most training.steps (1)"),
     ("--lr_scheduler.decay_type=exp", "lr_scheduler.decay_type", "one of 'linear', 'cosine', 'sqrt'"),
     ("--model.name=mamba", "model.name", "one of"),
     ("--model.num_heads=5", "model.num_heads", "a divisor of model.hidden_size"),

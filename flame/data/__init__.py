@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from flame.data.config import DataConfig, SourceConfig
 from flame.data.loader import EvalLoader, TextLoader, check_sources
+from flame.data.sources import NoDocumentError
 from flame.data.synthetic import IGNORE_INDEX, SyntheticLoader
 
-__all__ = ["DataConfig", "SourceConfig", "IGNORE_INDEX", "build_train_loader", "build_eval_loader", "check_sources"]
+__all__ = ["DataConfig", "SourceConfig", "IGNORE_INDEX", "build_train_loader", "build_eval_loader", "check_sources",
+           "NoDocumentError"]
 
 
 def build_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, grad_accum: int, dp_rank: int,

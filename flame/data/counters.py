@@ -1,4 +1,8 @@
-"""Counts of what the pipeline read and skipped, with warnings about skips at a bounded rate."""
+"""Counts of what the pipeline read and skipped, with warnings about skips at a bounded rate.
+
+A bad line is warned about once per file and line: a reader passes over its files again and again, and meets the
+same bad line on every pass; from the second time on it is only counted (skipped_<reason> in the metrics).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ class Counters:
 
     def __init__(self):
         self.values: dict[str, int] = {}
+        self.warned: set[str] = set()
+        """Places (file:line) already warned about, in this process (a resumed run may warn once again)."""
+        self.places: dict[str, int] = {}
+        """Per reason: skips at places not warned about yet; paces the warnings (the first few, the 10th, 100th, ...)."""
 
     def add(self, name: str, n: int = 1) -> int:
         self.values[name] = self.values.get(name, 0) + n
@@ -21,7 +29,11 @@ class Counters:
     def skip(self, reason: str, where: str, detail: str) -> None:
         """A document (or the rest of a file) was skipped; `where` names the file and line."""
         n = self.add(f"skipped_{reason}")
-        if n <= WARN_FIRST or str(n).rstrip("0") == "1":
+        if where in self.warned:
+            return
+        k = self.places[reason] = self.places.get(reason, 0) + 1
+        if k <= WARN_FIRST or str(k).rstrip("0") == "1":
+            self.warned.add(where)  # only the places warned about are kept: a bounded set
             log.warning("data: skipped (%s) at %s: %s [%d skipped for this reason so far in this reader]",
                         reason, where, detail, n)
 

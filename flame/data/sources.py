@@ -38,6 +38,18 @@ class TruncatedFile(Exception):
     pass
 
 
+class NoDocumentError(RuntimeError):
+    """A reader found no usable document in a whole pass over its share of a source (every line bad, a truncated
+    file): foreseeable, so the trainer reports its one line and exits 2."""
+
+    @staticmethod
+    def message_of(e: Exception) -> str:
+        """The error's own line, also when a dataloader worker raised it (the training process then gets the worker's
+        whole traceback as the message, whose last line is ours)."""
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return last.split("NoDocumentError: ", 1)[-1]
+
+
 def detect_format(path: str) -> str | None:
     name = path.lower()
     return next((fmt for suffix, fmt in SUFFIX_FORMATS if name.endswith(suffix)), None)
@@ -232,7 +244,7 @@ class DocumentStream:
 
     def _end_epoch(self) -> None:
         if self.docs_this_epoch == 0:
-            raise RuntimeError(
+            raise NoDocumentError(
                 f"{self.plan.key} ({self.plan.config.path}): reader {self.reader} of {self.n_readers} found no usable "
                 f"document in a whole pass over its share ({len(self.my_files)} of {len(self.plan.files)} files, "
                 f"every {self.stride}-th record); give the source more files/documents or use fewer workers")
