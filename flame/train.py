@@ -15,11 +15,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # a rank starting up: before the slow imports, end with the launcher, keep stop signals
+    from flame import lifeline, stop_signals
+
+    lifeline.die_with_launcher()
+    stop_signals.install()
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torchtitan.distributed.utils import clip_grad_norm_
 
+from flame import stop_signals
 from flame.checkpoint import (WAYS_OUT, Checkpointer, check_compatible, check_resume_config, complete_steps, rng_state,
                               set_rng_state)
 from flame.config import Config, ConfigError, RunError, load_config, to_toml
@@ -31,6 +38,7 @@ from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
 from flame.optim import build_lr_scheduler, build_optimizer, restore_lr_schedule
 from flame.parallel import all_reduce_sum, init_distributed, parallelize, resolve_dp_degrees
+from flame.run_lock import lock_run_folder
 
 
 @dataclass
@@ -54,6 +62,7 @@ class Trainer:
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         self.run_dir = Path(cfg.job.dump_folder)
+        self.run_lock = lock_run_folder(self.run_dir, self.rank)  # one run per folder: RunError if in use
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -97,8 +106,7 @@ class Trainer:
         self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
         self.stop_signal = 0
         self.staging_ready = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):  # preemption notices: save, then exit cleanly
-            signal.signal(sig, self.on_signal)
+        stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
         wandb_id = None
         if resume_step is not None:
             start = time.perf_counter()
@@ -205,12 +213,9 @@ class Trainer:
     def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def on_signal(self, signum, frame) -> None:
-        self.stop_signal = signum
-
     def stop_requested(self) -> bool:
         """Any rank got a signal -> every rank stops after this step (a signal may reach only some ranks)."""
-        flag = torch.tensor(self.stop_signal, device=self.device)
+        flag = torch.tensor(stop_signals.received, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stop_signal = int(flag.item())
         return self.stop_signal > 0
@@ -342,6 +347,8 @@ class Trainer:
         if clean:
             dist.barrier()  # no rank tears its process group down while another still talks to it
         dist.destroy_process_group()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def write_config_toml(run_dir: Path, text: str, step: int) -> str | None:

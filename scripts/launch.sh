@@ -14,7 +14,10 @@ Environment (all optional):
   MASTER_ADDR  rendezvous host (default: this machine; under Slurm the first node of the job)
   MASTER_PORT  rendezvous port (default 29500 on several nodes; a free port on one node)
   RDZV_ID      rendezvous id shared by all nodes (default: SLURM_JOB_ID, or "flame")
-Signals: SIGTERM or SIGUSR1 sent to this script make every rank finish its step, save a checkpoint and exit 0.
+Stopping: Ctrl-C (SIGINT), SIGTERM or SIGUSR1 sent to this script make every rank finish its step, save a
+checkpoint and exit 0; a second Ctrl-C stops at once without saving (exit 130). The ranks and their data workers
+never outlive this script, however it ends (SIGKILL included). One run per run folder: a second launch on a folder
+in use stops with exit code 2.
 Backends: NCCL on GPU, gloo on CPU. Per-rank logs: {job.dump_folder}/logs/. The config is checked first: a bad key
 or value stops here with exit code 2.
 TXT
@@ -25,6 +28,7 @@ cd "$(dirname "$0")/.."
 
 # Fail fast (exit 2, one line) before any process starts.
 dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --get job.dump_folder)
+"${PYTHON:-python3}" -m flame.run_lock "$dump"  # another run holds this folder: exit 2 (rank 0 takes the lock)
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
@@ -52,17 +56,45 @@ fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
-"${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${rdzv[@]}" \
-  --log-dir "$logs" --redirects 3 --tee 3 \
-  -m flame.train --config "$config" "$@" &
-torchrun=$!
-# SIGTERM / SIGUSR1 (preemption notice) go to the training processes, which save a checkpoint and exit 0; sent to
-# torchrun itself, they would make it kill its workers and fail.
-forward() { pkill "-$1" -P "$torchrun" 2>/dev/null || true; }
+# SIGINT / SIGTERM / SIGUSR1 (preemption notice) go to the training processes, which save a checkpoint and exit 0;
+# sent to torchrun itself, they would make it kill its workers and fail.
+# A signal that comes before torchrun has started the ranks is kept and sent once they are there.
+torchrun=""
+pending=""
+forward() { if [[ -n $torchrun ]] && pkill "-$1" -P "$torchrun" 2>/dev/null; then pending=""; else pending=$1; fi; }
+interrupts=0
+on_interrupt() {
+  interrupts=$((interrupts + 1))
+  if [[ $interrupts -eq 1 ]]; then
+    echo "launch: stopping after this step with a checkpoint (Ctrl-C again to stop at once, saving nothing)" >&2
+    forward INT
+  else
+    echo "launch: stopped at once, nothing saved" >&2
+    [[ -z $torchrun ]] || kill -KILL "$torchrun" 2>/dev/null || true  # the ranks and their data workers end with it
+    exit 130
+  fi
+}
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
-trap 'forward INT' INT
+trap on_interrupt INT
+# torchrun runs in a process group of its own (set -m), so that a terminal's Ctrl-C reaches only this script, which
+# forwards it; torchrun's own handler would kill the ranks and fail with a traceback. flame.lifeline binds torchrun
+# to this script and the ranks to torchrun: whatever ends this script ends them (the ranks run in sessions of their
+# own, out of reach of a signal to this script's process group).
+set -m
+FLAME_PARENT_PID=$$ "${PYTHON:-python3}" -m flame.lifeline torch.distributed.run --nnodes "$NNODES" \
+  --nproc-per-node "$NPROC" "${rdzv[@]}" --log-dir "$logs" --redirects 3 --tee 3 \
+  -m flame.train --config "$config" "$@" &
+torchrun=$!
+set +m
 rc=0
-wait "$torchrun" || rc=$?  # a trapped signal ends `wait` early: keep waiting for torchrun's own exit code
-while kill -0 "$torchrun" 2>/dev/null; do rc=0; wait "$torchrun" || rc=$?; done
+while true; do
+  if [[ -n $pending ]] && kill -0 "$torchrun" 2>/dev/null; then
+    forward "$pending"
+    [[ -z $pending ]] || { sleep 0.2; continue; }
+  fi
+  rc=0
+  wait "$torchrun" || rc=$?  # a trapped signal ends `wait` early: keep waiting for torchrun's own exit code
+  kill -0 "$torchrun" 2>/dev/null || break
+done
 exit "$rc"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import pickle
 import signal
 import warnings
@@ -14,6 +16,8 @@ from flame.data.counters import merge_counters
 from flame.data.pipeline import PipelineSettings, ReaderPipeline, TextDataset
 from flame.data.sources import SourcePlan, plan_sources
 from flame.data.tokenizer import BoundaryTokenError, TextTokenizer, WorldTokenizer, open_tokenizer
+from flame.lifeline import alive, die_with_parent
+from flame.stop_signals import STOP_SIGNALS
 
 
 def check_sources(cfg: DataConfig) -> tuple[list[SourcePlan], TextTokenizer | WorldTokenizer]:
@@ -24,11 +28,15 @@ def check_sources(cfg: DataConfig) -> tuple[list[SourcePlan], TextTokenizer | Wo
     return plans, load_tokenizer(cfg)
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """A preemption signal sent to every process (Slurm) is the training process' to handle: it saves a checkpoint
-    that needs these workers' state, then shuts them down."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+def _init_worker(worker_id: int, rank_pid: int) -> None:
+    """A stop signal sent to every process (Slurm's preemption notice, Ctrl-C in a terminal) is the training
+    process' to handle: it saves a checkpoint that needs these workers' state, then shuts them down. A rank that dies
+    takes its workers with it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(os.getppid())  # the rank when forked; a fork server (a child of the rank) ends with the rank
+    if not alive(rank_pid):
+        os._exit(1)
 
 
 def load_tokenizer(cfg: DataConfig) -> TextTokenizer | WorldTokenizer:
@@ -65,7 +73,7 @@ class TextLoader:
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             self.loader = StatefulDataLoader(dataset, batch_size=None, num_workers=cfg.num_workers,
                                              pin_memory=torch.cuda.is_available(), snapshot_every_n_steps=1,
-                                             worker_init_fn=_ignore_stop_signals)
+                                             worker_init_fn=functools.partial(_init_worker, rank_pid=os.getpid()))
         self._iterator = None
         self._restored = None  # the dataloader state last loaded (None: start from the beginning)
         self._counters: dict[int, dict] = {}
