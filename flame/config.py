@@ -52,7 +52,8 @@ class JobConfig:
     name: str = "flame"
     """Run name (console, wandb)."""
     dump_folder: str = "runs/flame"
-    """The run folder: resolved config, metrics.jsonl, per-rank logs, checkpoints."""
+    """The run folder: resolved config (config.toml; a launch whose config differs keeps the previous one as
+    config.step-N.toml, N the step it starts from), metrics.jsonl, per-rank logs, checkpoints."""
 
     def validate(self) -> None:
         check(bool(self.dump_folder), "job.dump_folder", "a non-empty path")
@@ -178,7 +179,11 @@ class CheckpointConfig:
     load_step: int = -1
     """-1 resumes from the newest complete checkpoint; N from step N."""
     resume: Literal["auto", "never"] = "auto"
-    """auto: a run folder that holds a complete checkpoint resumes from it."""
+    """auto: a run folder that holds a complete checkpoint resumes from it ("resuming run X from step N"; never:
+    "starting fresh"). The config may differ from the checkpoint's: changes are listed and applied (lr, schedule,
+    steps, logging, intervals, validation, ...), except the model, the tokenizer and its boundary tokens, and, for
+    text data under data_state = strict, what the saved data streams depend on (sequence length, batch size, seed,
+    sources, workers): those stop with one line (flame/checkpoint.py FIXED_ON_RESUME, DATA_BOUND)."""
     async_mode: Literal["auto", "sync", "async"] = "auto"
     """auto: async on GPU (training blocks only to copy the state to CPU), sync on CPU."""
     init_from: str = ""

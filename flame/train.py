@@ -379,11 +379,14 @@ def exit_on_startup_error(e: Exception, config_path: str) -> None:
         line = "data error: " + NoDocumentError.message_of(e)
     else:
         line = f"error: {one_line(str(e))}"
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    started = dist.is_initialized()
+    rank = dist.get_rank() if started else int(os.environ.get("RANK", "0"))
     if rank == 0 or isinstance(e, NoDocumentError):
         print(line, file=sys.stderr, flush=True)
     else:
         time.sleep(3)
+    if not started:
+        sys.exit(2)
     sys.stdout.flush()
     os._exit(2)  # the process group may be half set up: skip its teardown
 
@@ -409,9 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         if not cfg.data.synthetic:
             check_sources(cfg.data)  # globs, files, formats, tokenizer: fail here, not mid-run
     except ConfigError as e:
-        e.file = e.file or (argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None)
-        print(e.line(), file=sys.stderr)
-        sys.exit(2)
+        exit_on_startup_error(e, argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None)
     trainer = None
     try:
         trainer = Trainer(cfg)
