@@ -28,7 +28,6 @@ cd "$(dirname "$0")/.."
 
 # Fail fast (exit 2, one line) before any process starts.
 dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --get job.dump_folder)
-"${PYTHON:-python3}" -m flame.run_lock "$dump"  # another run holds this folder: exit 2 (rank 0 takes the lock)
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
@@ -38,6 +37,8 @@ if [[ -n ${SLURM_JOB_ID:-} ]]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+# Another run holds this folder: exit 2, one line. Rank 0 (on node 0) takes the lock for good once it starts.
+[[ $NODE_RANK -ne 0 ]] || "${PYTHON:-python3}" -m flame.run_lock "$dump"
 if [[ -z ${NGPU:-} ]]; then
   NGPU=$("${PYTHON:-python3}" -c "import torch; print(torch.cuda.device_count())")
 fi
@@ -66,10 +67,11 @@ interrupts=0
 on_interrupt() {
   interrupts=$((interrupts + 1))
   if [[ $interrupts -eq 1 ]]; then
-    echo "launch: stopping after this step with a checkpoint (Ctrl-C again to stop at once, saving nothing)" >&2
+    echo "launch: stopping after this step with a checkpoint (Ctrl-C again to stop at once, saving nothing)" >&2 \
+      || true
     forward INT
   else
-    echo "launch: stopped at once, nothing saved" >&2
+    echo "launch: stopped at once, nothing saved" >&2 || true
     [[ -z $torchrun ]] || kill -KILL "$torchrun" 2>/dev/null || true  # the ranks and their data workers end with it
     exit 130
   fi
@@ -77,6 +79,7 @@ on_interrupt() {
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap on_interrupt INT
+trap '' PIPE  # `launch.sh ... | tee log` and Ctrl-C: tee is gone, the run must still stop cleanly
 # torchrun runs in a process group of its own (set -m), so that a terminal's Ctrl-C reaches only this script, which
 # forwards it; torchrun's own handler would kill the ranks and fail with a traceback. flame.lifeline binds torchrun
 # to this script and the ranks to torchrun: whatever ends this script ends them (the ranks run in sessions of their
