@@ -13,7 +13,7 @@ import pytest
 
 from flame.config import RunError
 from flame.run_lock import LOCK_NAME, lock_run_folder
-from tests.helpers import REPO, env, read_metrics
+from tests.helpers import REPO, env, read_metrics, run_train, write_config
 
 # the tiny default config on the bundled sample text: one rank with its 2 data workers, a step every moment
 ARGS = ["--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
@@ -111,20 +111,25 @@ def test_ctrl_c_saves_resumes_one_run_per_folder_sigkill_leaves_nothing(tmp_path
     lock.release()
 
 
-def test_run_lock_held_by_another_process_stops_with_its_name(tmp_path):
+def test_run_lock_held_by_another_process_stops_every_rank_with_its_name(tmp_path):
+    path, dump = write_config(tmp_path)
     hold = ("import sys, time; from pathlib import Path; from flame.run_lock import lock_run_folder; "
-            "lock = lock_run_folder(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(60)")
-    holder = subprocess.Popen(["python3", "-c", hold, str(tmp_path)],
-                              cwd=REPO, env=env(), stdout=subprocess.PIPE, text=True)
+            "lock = lock_run_folder(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen(["python3", "-c", hold, str(dump)], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunError, match=f"in use by another run \\(host {socket.gethostname()}, pid {holder.pid}"):
-            lock_run_folder(tmp_path, rank=0)
-        check = subprocess.run(["python3", "-m", "flame.run_lock", str(tmp_path)], cwd=REPO, env=env(),
+            lock_run_folder(dump, rank=0)
+        check = subprocess.run(["python3", "-m", "flame.run_lock", str(dump)], cwd=REPO, env=env(),
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 2 and check.stderr.count("\n") == 1 and f"pid {holder.pid}" in check.stderr
+        # two ranks started past the launcher's check: rank 0 cannot take the lock, both stop (no hang)
+        proc = run_train(path, nproc=2, timeout=120)
+        assert proc.returncode != 0 and f"pid {holder.pid}" in proc.stderr
+        assert not (dump / "checkpoint").exists()
     finally:
         holder.kill()
         holder.wait()
-    lock = lock_run_folder(tmp_path, rank=0)  # the holder is gone: the lock is free again
+    lock = lock_run_folder(dump, rank=0)  # the holder is gone: the lock is free again
     lock.release()
