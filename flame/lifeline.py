@@ -55,7 +55,16 @@ def main() -> None:
     os.environ[PARENT_ENV] = str(os.getpid())  # the module's children (the ranks) bind to this process
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except ChildFailedError as e:
+        # exit code 2: a rank stopped on a foreseen start-up error and said why in one line; torchrun's traceback and
+        # failure report would bury that line, and its exit code 1 would hide the kind of failure
+        if e.get_first_failure()[1].exitcode == 2:
+            sys.exit(2)
+        raise
 
 
 if __name__ == "__main__":

@@ -141,10 +141,14 @@ class Trainer:
                        + (" (checkpoint.resume = never: its checkpoints are not loaded)" if never else ""))
         else:
             self.print(f"resuming run {self.run_dir} from step {resume_step}")
-            ts = {"config": ""}
+            ts = {"config": "", "dp_world": 0, "data_workers": 0}
             self.checkpointer.load(resume_step, {"train_state": ts})
             changes = check_resume_config(ts["config"], self.cfg, current,
                                           f"checkpoint {self.checkpointer.path(resume_step)}")
+            now = (self.d.world_size, self.cfg.data.num_workers)
+            if (ts["dp_world"], ts["data_workers"]) != now and not self.cfg.data.synthetic \
+                    and self.cfg.checkpoint.data_state == "strict":  # before config.toml changes
+                raise layout_error(self.checkpointer.path(resume_step), (ts["dp_world"], ts["data_workers"]), now)
             if changes:
                 self.print(f"config changed since step {resume_step} (applied): " + "; ".join(changes))
         if self.rank == 0:
@@ -302,11 +306,8 @@ class Trainer:
             data_key = f"rank_{self.rank}" if same_layout else "rank_0"
             state["dataloader"] = {data_key: self.loader.state_dict()}
         elif self.cfg.checkpoint.data_state == "strict":
-            raise RunError(
-                f"checkpoint {self.checkpointer.path(step)} was written by {ts['dp_world']} data-parallel ranks with "
-                f"{ts['data_workers']} data workers each, this run has {self.d.world_size} and "
-                f"{self.cfg.data.num_workers}: model and optimizer reshard, the data streams' positions do not; "
-                f"{WAYS_OUT.replace('settings', 'layout', 1)}")
+            raise layout_error(self.checkpointer.path(step), (ts["dp_world"], ts["data_workers"]),
+                               (self.d.world_size, self.cfg.data.num_workers))
         if same_layout:
             state["rng"] = {f"rank_{self.rank}": rng_state()}
         self.checkpointer.load(step, state)
@@ -349,6 +350,13 @@ class Trainer:
         dist.destroy_process_group()
         if self.run_lock is not None:
             self.run_lock.release()
+
+
+def layout_error(path: Path, saved: tuple[int, int], now: tuple[int, int]) -> RunError:
+    """(data-parallel ranks, data workers per rank) differ from the checkpoint's under checkpoint.data_state=strict."""
+    return RunError(f"checkpoint {path} was written by {saved[0]} data-parallel ranks with {saved[1]} data workers "
+                    f"each, this run has {now[0]} and {now[1]}: model and optimizer reshard, the data streams' "
+                    f"positions do not; {WAYS_OUT.replace('settings', 'layout', 1)}")
 
 
 def write_config_toml(run_dir: Path, text: str, step: int) -> str | None:
