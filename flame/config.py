@@ -37,8 +37,9 @@ class ConfigError(ValueError):
 
 
 class RunError(RuntimeError):
-    """A failure foreseen at start-up that is not a config value (a checkpoint that does not fit, a resume that
-    cannot continue the data, init_from weights that do not fit): `flame.train` prints its one line, exit code 2."""
+    """A foreseen failure that is not a config value (a checkpoint that does not fit, a resume that cannot continue
+    the data, init_from weights that do not fit, too many non-finite steps in a row): `flame.train` prints its one
+    line, exit code 2."""
 
 
 def check(ok: bool, key: str, expected: str, got: Any = dataclasses.MISSING) -> None:

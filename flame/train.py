@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from flame import stop_signals
-from flame.checkpoint import (WAYS_OUT, Checkpointer, check_compatible, check_resume_config, complete_steps, rng_state,
+from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config, complete_steps, rng_state,
                               set_rng_state)
 from flame.config import Config, ConfigError, RunError, load_config, to_toml
 from flame.data import NoDocumentError, build_train_loader, check_sources
@@ -135,6 +135,8 @@ class Trainer:
         a change it cannot take stops (RunError), the others are listed and applied. Then write config.toml."""
         current = to_toml(self.cfg)
         self.last_loss: float | None = None
+        self.data_bound_changed = False
+        """Text data: a key the saved data streams depend on changed (allowed by data_state = restart)."""
         if resume_step is None:
             never = self.cfg.checkpoint.resume == "never" and bool(complete_steps(self.checkpointer.folder))
             self.print(f"starting fresh in {self.run_dir}"
@@ -151,6 +153,7 @@ class Trainer:
                 raise layout_error(self.checkpointer.path(resume_step), (ts["dp_world"], ts["data_workers"]), now)
             if changes:
                 self.print(f"config changed since step {resume_step} (applied): " + "; ".join(changes))
+            self.data_bound_changed = not self.cfg.data.synthetic and any(c.startswith(DATA_BOUND) for c in changes)
         if self.rank == 0:
             kept = write_config_toml(self.run_dir, current, resume_step or 0)
             if kept is not None:
@@ -241,7 +244,7 @@ class Trainer:
         self.print(f"step {self.step}: non-finite loss ({result.loss}) or grad norm ({result.grad_norm}): "
                    f"optimizer step skipped ({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.cfg.training.max_consecutive_skips:
-            raise RuntimeError(f"stopping: {self.consecutive_skips} consecutive steps had a non-finite loss or "
+            raise RunError(f"stopping: {self.consecutive_skips} consecutive steps had a non-finite loss or "
                                "gradient norm (training.max_consecutive_skips). Lower the learning rate, check the "
                                "data, or resume from an earlier checkpoint.")
 
@@ -302,7 +305,7 @@ class Trainer:
         same_layout = (ts["dp_world"], ts["data_workers"]) == (self.d.world_size, self.cfg.data.num_workers)
         state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
         data_key = None
-        if same_layout or getattr(self.loader, "state_is_global", False):
+        if (same_layout and not self.data_bound_changed) or getattr(self.loader, "state_is_global", False):
             data_key = f"rank_{self.rank}" if same_layout else "rank_0"
             state["dataloader"] = {data_key: self.loader.state_dict()}
         elif self.cfg.checkpoint.data_state == "strict":
