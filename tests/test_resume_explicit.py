@@ -101,3 +101,26 @@ def test_text_data_layout_keys_need_data_state_restart():
                 assert "--job.dump_folder" in str(e.value) and "--checkpoint.resume=never" in str(e.value)
             else:
                 assert check_resume_config(saved, cfg, to_toml(cfg), "ckpt")  # listed, applied
+
+
+def test_text_run_resumes_with_a_new_seq_len_under_data_state_restart(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, env
+
+    dump = tmp_path / "text"
+    args = [sys.executable, "-m", "flame.train", "--config", "configs/transformer_tiny.toml",
+            f"--job.dump_folder={dump}", "--validation.enable=false", "--data.num_workers=0", "--metrics.log_freq=1"]
+
+    def run(*extra):
+        return subprocess.run([*args, *extra], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+
+    assert run("--training.steps=2", "--training.seq_len=64").returncode == 0
+    proc = run("--training.steps=3", "--training.seq_len=32", "--checkpoint.data_state=restart")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training.seq_len: 64 in the checkpoint, 32 now" in proc.stdout
+    assert "data streams restart from the beginning" in proc.stdout
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["tokens_seen"] - rows[1]["tokens_seen"] == 4 * 32  # the new shape from the first resumed step
