@@ -379,7 +379,7 @@ def one_line(text: str) -> str:
     return "; ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
-def exit_on_startup_error(e: Exception, config_path: str) -> None:
+def exit_on_startup_error(e: Exception, config_path: str | None, in_run: bool = False) -> None:
     """Print the error's one line and exit 2. Every rank meets a config or resume problem alike: rank 0 says it,
     the others stay quiet (and wait a moment, so that torchrun does not stop rank 0 before it has said it). A data
     reader's problem belongs to its own rank, which says it."""
@@ -390,8 +390,8 @@ def exit_on_startup_error(e: Exception, config_path: str) -> None:
         line = "data error: " + NoDocumentError.message_of(e)
     else:
         line = f"error: {one_line(str(e))}"
-    started = dist.is_initialized()
-    rank = dist.get_rank() if started else int(os.environ.get("RANK", "0"))
+    started = in_run or dist.is_initialized()  # (a closed trainer has left its process group already)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank == 0 or isinstance(e, NoDocumentError):
         print(line, file=sys.stderr, flush=True)
     else:
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, RunError, NoDocumentError) as e:  # foreseeable: one line, no traceback
         if trainer is not None:
             trainer.close(clean=False)
-        exit_on_startup_error(e, path)
+        exit_on_startup_error(e, path, in_run=True)
     except BaseException:
         if trainer is not None:
             trainer.close(clean=False)
