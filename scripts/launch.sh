@@ -27,7 +27,7 @@ config=$1; shift
 cd "$(dirname "$0")/.."
 
 # Fail fast (exit 2, one line) before any process starts.
-dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --get job.dump_folder)
+dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --strict --get job.dump_folder)
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
