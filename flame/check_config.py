@@ -91,4 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while scripts/launch.sh checks the config: a requested stop, no traceback
+        sys.exit(130)
