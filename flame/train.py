@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from flame import stop_signals
-from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config, complete_steps, rng_state,
-                              set_rng_state)
+from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config,
+                              complete_steps, rng_state, set_rng_state)
 from flame.config import Config, ConfigError, RunError, load_config, to_toml
 from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
@@ -104,6 +104,7 @@ class Trainer:
                               cfg.model.vocab_size)
 
         self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
+        self.last_loss: float | None = None  # for the closing line
         self.stop_signal = 0
         self.staging_ready = False
         stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
@@ -134,7 +135,6 @@ class Trainer:
         """Say whether the run resumes or starts fresh. On resume, compare the checkpoint's config with this one:
         a change it cannot take stops (RunError), the others are listed and applied. Then write config.toml."""
         current = to_toml(self.cfg)
-        self.last_loss: float | None = None
         self.data_bound_changed = False
         """Text data: a key the saved data streams depend on changed (allowed by data_state = restart)."""
         if resume_step is None:
@@ -245,8 +245,8 @@ class Trainer:
                    f"optimizer step skipped ({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.cfg.training.max_consecutive_skips:
             raise RunError(f"stopping: {self.consecutive_skips} consecutive steps had a non-finite loss or "
-                               "gradient norm (training.max_consecutive_skips). Lower the learning rate, check the "
-                               "data, or resume from an earlier checkpoint.")
+                           "gradient norm (training.max_consecutive_skips). Lower the learning rate, check the "
+                           "data, or resume from an earlier checkpoint.")
 
     @torch.no_grad()
     def evaluate(self) -> float:

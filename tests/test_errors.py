@@ -45,7 +45,8 @@ def test_truncated_only_file_and_bad_init_from_are_one_line(tmp_path):
 
     path, dump = write_config(tmp_path)
     line = one_line(run_train(path, f"--checkpoint.init_from={tmp_path / 'missing'}"))
-    assert line == f"error: checkpoint.init_from = '{tmp_path / 'missing'}': {tmp_path / 'missing'}: no such file or folder"
+    missing = tmp_path / "missing"
+    assert line == f"error: checkpoint.init_from = '{missing}': {missing}: no such file or folder"
 
 
 def test_export_of_a_missing_folder_is_one_line(tmp_path):

@@ -90,8 +90,8 @@ def test_ignored_positions_get_no_l2wrap_gradient():
     ("gsa", dict(hidden_size=64, num_layers=2, num_heads=2, num_slots=16), False),
 ])
 def test_models_pass_their_l2wrap_setting(name, extra, default):
-    """RWKV-7 trains with L2Wrap by default (RWKV-LM), the Transformer and GSA without (FLA's GSAConfig); the model's loss path equals the
-    reference built on its own logits."""
+    """RWKV-7 trains with L2Wrap by default (RWKV-LM), the Transformer and GSA without (FLA's GSAConfig); the
+    model's loss path equals the reference built on its own logits."""
     args = model_args_class(name)(name=name, vocab_size=96, **extra)
     assert args.l2wrap is default
     torch.manual_seed(0)

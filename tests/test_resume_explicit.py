@@ -82,7 +82,8 @@ def test_which_changes_a_resume_takes(changes, allowed):
         listed = check_resume_config(saved, cfg, now, "ckpt")
         assert sorted(c.split(":")[0] for c in listed) == sorted(k.replace("__", ".") for k in changes)
     else:
-        with pytest.raises(RunError, match=f"ckpt: cannot resume with a changed {next(iter(changes)).replace('__', '.')}"):
+        key = next(iter(changes)).replace("__", ".")
+        with pytest.raises(RunError, match=f"ckpt: cannot resume with a changed {key}"):
             check_resume_config(saved, cfg, now, "ckpt")
 
 

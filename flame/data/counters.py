@@ -20,7 +20,8 @@ class Counters:
         self.warned: set[str] = set()
         """Places (file:line) already warned about, in this process (a resumed run may warn once again)."""
         self.places: dict[str, int] = {}
-        """Per reason: skips at places not warned about yet; paces the warnings (the first few, the 10th, 100th, ...)."""
+        """Per reason: skips at places not warned about yet; paces the warnings (the first few, the 10th, 100th,
+        ...)."""
 
     def add(self, name: str, n: int = 1) -> int:
         self.values[name] = self.values.get(name, 0) + n
