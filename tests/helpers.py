@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = """
@@ -103,3 +105,25 @@ def assert_compiled_matches_eager(f, xs):
     torch.testing.assert_close(out, ref)
     for g, g0 in zip(grads, ref_grads):
         torch.testing.assert_close(g, g0)
+
+
+def fla_logits_error(exported: Path, fla_dir: Path, vocab: int, dtype) -> float:
+    """Relative error of FLA's own model (transformers' AutoModelForCausalLM on CUDA, in `dtype`) on the --to fla
+    conversion of `exported`, against flame's fp32 logits from its PyTorch path on the CPU. 48 tokens: FLA runs its
+    step-by-step (fused recurrent) kernels below 64, which keep fp32 exact."""
+    import fla  # noqa: F401  (registers FLA's models with transformers)
+    from transformers import AutoModelForCausalLM
+
+    from flame.convert import main as convert
+    from flame.export import load_exported
+
+    convert([str(exported), str(fla_dir), "--to", "fla"])
+    theirs = AutoModelForCausalLM.from_pretrained(fla_dir).cuda().to(dtype).eval()
+    ours = load_exported(exported).eval()
+    ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ours(ids)
+        got = theirs(ids.cuda()).logits.float().cpu()
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"{dtype}: FLA vs flame logits, relative error {err:.2e}")
+    return err

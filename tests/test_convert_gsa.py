@@ -12,6 +12,7 @@ import torch
 from flame.convert import main
 from flame.export import ModelState, load_exported, read_export, write_export
 from flame.models import build_model, model_args_class
+from tests.helpers import fla_logits_error
 
 SETTINGS = {"vocab_size": 300, "hidden_size": 64, "num_heads": 2, "num_slots": 8, "use_short_conv": True}
 
@@ -83,18 +84,5 @@ def test_fla_folder_loads_in_fla_and_round_trips(exported, tmp_path):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_fla_gives_our_logits_on_cuda(exported, tmp_path, dtype, tolerance):
     pytest.importorskip("fla")
-    from transformers import AutoModelForCausalLM
-
-    import fla  # noqa: F401
-
-    convert(exported, tmp_path / "fla", "--to", "fla")
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "fla").cuda().to(dtype).eval()
-    ours = load_exported(exported).eval()   # the fp32 reference: flame's PyTorch path on the CPU
-    # 48 tokens: FLA runs its step-by-step (fused recurrent) kernels below 64, which keep fp32 exact
-    ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = ours(ids)
-        got = theirs(ids.cuda()).logits.float().cpu()
-    err = ((got - want).norm() / want.norm()).item()
-    print(f"{dtype}: FLA vs flame logits, relative error {err:.2e}")
+    err = fla_logits_error(exported, tmp_path / "fla", 300, dtype)
     assert err < tolerance, err

@@ -14,7 +14,7 @@ from flame.convert import load_init_weights, main
 from flame.data.tokenizer import open_tokenizer
 from flame.export import WEIGHTS, load_exported, read_export
 from flame.models import build_model
-from tests.helpers import REPO, read_checkpoint, run_train, write_config
+from tests.helpers import REPO, fla_logits_error, read_checkpoint, run_train, write_config
 
 LAYERS, WIDTH, HEAD, VOCAB = 3, 128, 64, 300
 RANKS = {"w": 32, "a": 16, "v": 24, "g": 40}   # all different, so a mixed-up path has the wrong shape
@@ -351,18 +351,5 @@ def test_init_from_takes_an_rwkv_lm_checkpoint(pth, exported, tmp_path):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_fla_gives_our_logits_on_cuda(exported, tmp_path, dtype, tolerance):
     pytest.importorskip("fla")
-    from transformers import AutoModelForCausalLM
-
-    import fla  # noqa: F401
-
-    convert(exported, tmp_path / "fla", "--to", "fla")
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "fla").cuda().to(dtype).eval()
-    ours = load_exported(exported).eval()   # the fp32 reference: flame's PyTorch path on the CPU
-    # 48 tokens: FLA runs its step-by-step (fused recurrent) kernels below 64, which keep fp32 exact
-    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = ours(ids)
-        got = theirs(ids.cuda()).logits.float().cpu()
-    err = ((got - want).norm() / want.norm()).item()
-    print(f"{dtype}: FLA vs flame logits, relative error {err:.2e}")
+    err = fla_logits_error(exported, tmp_path / "fla", VOCAB, dtype)
     assert err < tolerance, err
