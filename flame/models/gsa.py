@@ -22,9 +22,8 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import (RMSNorm, ShortConv, as_one_packed_row, count_params,
+from flame.models.layers import (RMSNorm, ShortConv, SwiGLU, as_one_packed_row, count_params,
                                  positions_from_cu_seqlens)
-from flame.models.transformer import SwiGLU
 from kernels.gsa import chunk_gsa
 
 

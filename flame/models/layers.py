@@ -23,6 +23,19 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class SwiGLU(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), no biases (Llama's MLP; the parameter names are the checkpoints')."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [..., head_dim/2] for integer positions, in fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))

@@ -12,7 +12,8 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import RMSNorm, apply_rotary, count_params, positions_from_cu_seqlens, rotary_cos_sin
+from flame.models.layers import (RMSNorm, SwiGLU, apply_rotary, count_params, positions_from_cu_seqlens,
+                                 rotary_cos_sin)
 
 
 @dataclass
@@ -73,17 +74,6 @@ class Attention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
