@@ -142,14 +142,11 @@ class TrainingConfig:
     """'full' recomputes every block in backward."""
     max_consecutive_skips: int = 10
     """Stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the fused output projection + cross entropy (bounds logits memory)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms (slower on GPU; CPU runs are deterministic anyway)."""
 
     def validate(self) -> None:
-        for key in ("batch_size", "gradient_accumulation_steps", "seq_len", "steps", "max_consecutive_skips",
-                    "loss_chunk_size"):
+        for key in ("batch_size", "gradient_accumulation_steps", "seq_len", "steps", "max_consecutive_skips"):
             value = getattr(self, key)
             check(value >= 1, f"training.{key}", "an integer >= 1", value)
         check(self.max_norm >= 0, "training.max_norm", "a number >= 0", self.max_norm)
