@@ -21,30 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from flame.data.config import DataConfig
-
-
-class ConfigError(ValueError):
-    """A config problem, named by file and dotted key."""
-
-    def __init__(self, key: str, expected: str, got: Any = dataclasses.MISSING, file: str | None = None):
-        self.key, self.expected, self.got, self.file = key, expected, got, file
-        super().__init__(self.line())
-
-    def line(self) -> str:
-        where = f"{self.file}: " if self.file else ""
-        got = "" if self.got is dataclasses.MISSING else f", got {self.got!r}"
-        return f"config error: {where}{self.key}: expected {self.expected}{got}"
-
-
-class RunError(RuntimeError):
-    """A foreseen failure that is not a config value (a checkpoint that does not fit, a resume that cannot continue
-    the data, init_from weights that do not fit, too many non-finite steps in a row): `flame.train` prints its one
-    line, exit code 2."""
-
-
-def check(ok: bool, key: str, expected: str, got: Any = dataclasses.MISSING) -> None:
-    if not ok:
-        raise ConfigError(key, expected, got)
+from flame.errors import ConfigError, RunError, check  # noqa: F401  (also imported from here by the rest of flame)
 
 
 # ----------------------------------------------------------------------------------------------------------- sections

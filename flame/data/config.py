@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flame.errors import check
+
 
 @dataclass
 class SourceConfig:
@@ -24,8 +26,6 @@ class SourceConfig:
     """format hf only: the split to stream."""
 
     def validate(self, key: str) -> None:
-        from flame.config import check
-
         check(bool(self.path), f"{key}.path", "a glob or a hub dataset id")
         check(self.weight > 0, f"{key}.weight", "a number > 0", self.weight)
         check(bool(self.text_field), f"{key}.text_field", "a field name")
@@ -63,8 +63,6 @@ class DataConfig:
     0 = cut only at row ends (seq_len)."""
 
     def validate(self) -> None:
-        from flame.config import check
-
         if not self.synthetic:
             check(bool(self.sources), "data.sources", "at least one [[data.sources]] table (or data.synthetic = true)")
             check(bool(self.tokenizer), "data.tokenizer", "a tokenizer.json path or hub id, or \"rwkv-world\"")

@@ -16,6 +16,7 @@ from flame.data.counters import merge_counters
 from flame.data.pipeline import PipelineSettings, ReaderPipeline, TextDataset
 from flame.data.sources import SourcePlan, plan_sources
 from flame.data.tokenizer import BoundaryTokenError, TextTokenizer, WorldTokenizer, open_tokenizer
+from flame.errors import ConfigError
 from flame.lifeline import alive, die_with_parent
 from flame.stop_signals import STOP_SIGNALS
 
@@ -40,8 +41,6 @@ def _init_worker(worker_id: int, rank_pid: int) -> None:
 
 
 def load_tokenizer(cfg: DataConfig) -> TextTokenizer | WorldTokenizer:
-    from flame.config import ConfigError
-
     try:
         return open_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
     except BoundaryTokenError as e:

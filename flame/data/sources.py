@@ -26,6 +26,7 @@ import zstandard
 from flame.data.config import DataConfig, SourceConfig
 from flame.data.counters import Counters
 from flame.data.paths import expand_glob
+from flame.errors import ConfigError
 
 CHUNK_BYTES = 1 << 20
 SUFFIX_FORMATS = [(".jsonl.zst", "jsonl.zst"), (".json.zst", "jsonl.zst"), (".zst", "jsonl.zst"),
@@ -72,8 +73,6 @@ class SourcePlan:
 
 def plan_source(source: SourceConfig, key: str, index: int) -> SourcePlan:
     """Resolve the files of a source; raise ConfigError naming `key` for anything a run would trip over later."""
-    from flame.config import ConfigError
-
     if source.format == "hf":
         return SourcePlan(index, key, source)
     files = expand_glob(source.path)
@@ -102,8 +101,6 @@ def plan_source(source: SourceConfig, key: str, index: int) -> SourcePlan:
 def _check_parquet_column(path: str, column: str, key: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from flame.config import ConfigError
 
     try:
         schema = pq.read_schema(path)
