@@ -6,6 +6,9 @@ Every model follows one contract, so the trainer, FSDP, activation checkpointing
   - `model(input_ids, labels=None, cu_seqlens=None)`: logits [B, T, V] without labels, else the fp32 *sum* of
     token losses over labels != IGNORE_INDEX (the trainer divides by the global token count);
   - `model.num_params(exclude_embedding=False)` and `model.flops_per_token(seq_len)` (training FLOPs, fwd + bwd).
+
+flame.models.layers.LanguageModel, the models' base class, holds the shared part: the forward tail after the blocks
+(final norm, then logits or the loss sum), `num_params` and the matmul parameter count behind `flops_per_token`.
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.config import ModelArgs, check
-from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import (RMSNorm, ShortConv, SwiGLU, as_one_packed_row, count_params,
+from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row,
                                  positions_from_cu_seqlens)
 from kernels.gsa import chunk_gsa
 
@@ -132,7 +131,7 @@ class Block(nn.Module):
 
 
 @register("gsa", GSAArgs)
-class GSA(nn.Module):
+class GSA(LanguageModel):
     def __init__(self, args: GSAArgs):
         super().__init__()
         self.args = args
@@ -159,18 +158,11 @@ class GSA(nn.Module):
         x = self.embed(input_ids)
         for block in self.layers:
             x = block(x, cu_seqlens, positions)
-        x = self.norm(x)
-        if labels is None:
-            return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
-        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        return count_params(self, self.embed, exclude_embedding)
+        return self.logits_or_loss_sum(x, labels, B, T)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x (matmul and convolution weights, head included) + the two slot passes: per token and head a K x M
         and an M x V state are each updated and read (4 (K + V) M FLOPs), times 3 for fwd + bwd. No term grows
         with seq_len (the within-chunk pairs are a constant factor of the chunk, not of the sequence)."""
         a = self.args
-        matmul = sum(p.numel() for p in self.parameters() if p.dim() >= 2) - self.embed.weight.numel()
-        return 6 * matmul + 12 * a.num_layers * 2 * a.hidden_size * a.num_slots
+        return 6 * self.matmul_params() + 12 * a.num_layers * 2 * a.hidden_size * a.num_slots

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from flame.loss import output_loss_sum
 
 
 class RMSNorm(nn.Module):
@@ -83,9 +87,36 @@ class ShortConv(nn.Module):
         return torch.nn.functional.silu(y).to(x.dtype)
 
 
-def count_params(model: nn.Module, embedding: nn.Embedding, exclude_embedding: bool) -> int:
-    n = sum(p.numel() for p in model.parameters())
-    return n - embedding.weight.numel() if exclude_embedding else n
+class LanguageModel(nn.Module):
+    """What every flame model shares around its blocks. A subclass sets `args` (loss_chunk_size, l2wrap), `embed`
+    (nn.Embedding), `norm` (the final norm) and `lm_head` (nn.Linear, or None when the head is the embedding)."""
+
+    args: Any
+    embed: nn.Embedding
+    norm: nn.Module
+    lm_head: nn.Linear | None
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits_or_loss_sum(self, x: torch.Tensor, labels: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
+        """The forward tail: final norm, then fp32 logits [B, T, V] without labels, else the fp32 sum of token
+        losses over labels != IGNORE_INDEX (output projection and cross entropy in chunks of loss_chunk_size)."""
+        x = self.norm(x)
+        weight = self.output_weight()
+        if labels is None:
+            return (x @ weight.t()).float().view(B, T, -1)
+        return output_loss_sum(x, weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def matmul_params(self) -> int:
+        """Weights used once per token in a product (every parameter of 2 or more dims, output head included), less
+        the embedding table, a lookup, unless it is also the output head."""
+        n = sum(p.numel() for p in self.parameters() if p.dim() >= 2)
+        return n if self.lm_head is None else n - self.embed.weight.numel()
 
 
 def as_one_packed_row(input_ids: torch.Tensor, labels: torch.Tensor | None, cu_seqlens: torch.Tensor):

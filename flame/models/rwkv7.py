@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.config import ModelArgs, check
-from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import as_one_packed_row, count_params
+from flame.models.layers import LanguageModel, as_one_packed_row
 from flame.optim import ParamGroup, trainable_parameters
 from kernels.rwkv7 import chunk_rwkv7
 
@@ -206,7 +205,7 @@ class Block(nn.Module):
 
 
 @register("rwkv7", RWKV7Args)
-class RWKV7(nn.Module):
+class RWKV7(LanguageModel):
     def __init__(self, args: RWKV7Args):
         super().__init__()
         self.args = args
@@ -245,10 +244,7 @@ class RWKV7(nn.Module):
         for block in self.layers:
             x, v = block(x, v_first, keep, cu_seqlens)
             v_first = v_first if v is None else v
-        x = self.norm(x)
-        if labels is None:
-            return (x @ self.lm_head.weight.t()).float().view(B, T, -1)
-        return output_loss_sum(x, self.lm_head.weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
+        return self.logits_or_loss_sum(x, labels, B, T)
 
     def optimizer_groups(self) -> list[ParamGroup]:
         """RWKV-LM's groups: the decay bias w0 at twice the learning rate; the weights of the linear layers (head
@@ -266,15 +262,11 @@ class RWKV7(nn.Module):
         return [ParamGroup("decay", decay, weight_decay=True), ParamGroup("lr_1x", lr_1x, weight_decay=False),
                 ParamGroup("lr_2x", lr_2x, weight_decay=False, lr_scale=2.0)]
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        return count_params(self, self.embed, exclude_embedding)
-
     def flops_per_token(self, seq_len: int) -> float:
         """6 x matmul parameters (head included) + the recurrence: ~4 products of a K x V state per token and
         head (read sa, two rank-one updates, read o), 2 FLOPs each, times 3 for fwd + bwd."""
         a = self.args
-        matmul = sum(p.numel() for p in self.parameters() if p.dim() == 2) - self.embed.weight.numel()
-        return 6 * matmul + 24 * a.num_layers * a.hidden_size * a.head_dim
+        return 6 * self.matmul_params() + 24 * a.num_layers * a.hidden_size * a.head_dim
 
 
 def _ortho(w: torch.Tensor, scale: float, gain_from_shape: bool = True) -> None:

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.config import ModelArgs, check
-from flame.loss import output_loss_sum
 from flame.models import register
-from flame.models.layers import (RMSNorm, SwiGLU, apply_rotary, count_params, positions_from_cu_seqlens,
+from flame.models.layers import (LanguageModel, RMSNorm, SwiGLU, apply_rotary, positions_from_cu_seqlens,
                                  rotary_cos_sin)
 
 
@@ -90,7 +89,7 @@ class Block(nn.Module):
 
 
 @register("transformer", TransformerArgs)
-class Transformer(nn.Module):
+class Transformer(LanguageModel):
     def __init__(self, args: TransformerArgs):
         super().__init__()
         self.args = args
@@ -134,21 +133,10 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         for block in self.layers:
             x = block(x, cos, sin, mask)
-        x = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if labels is None:
-            return (x @ weight.t()).float()
-        return output_loss_sum(x, weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        return count_params(self, self.embed, exclude_embedding)
+        return self.logits_or_loss_sum(x, labels, B, T)
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x (matmul parameters, output head included) + causal attention scores and mixing (fwd + bwd)."""
         a = self.args
-        matmul_params = self.num_params(exclude_embedding=True) - sum(
-            p.numel() for n, p in self.named_parameters() if "norm" in n)
-        if self.lm_head is None:
-            matmul_params += self.embed.weight.numel()
         attention = 6 * a.num_layers * a.hidden_size * seq_len  # 12 * L * d * T, halved by the causal mask
-        return 6 * matmul_params + attention
+        return 6 * self.matmul_params() + attention
