@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-import flame.models.transformer as transformer
+import flame.models.layers as layers
 from flame.config import load_config
 from flame.train import Trainer
 from tests.helpers import read_metrics, write_config
@@ -27,14 +27,14 @@ def single_process(monkeypatch):
 
 def inject_nan_on_calls(monkeypatch, calls: set[int] | None):
     """Make the model's loss NaN on the given forward calls (1-based); None = every call."""
-    real, count = transformer.output_loss_sum, [0]
+    real, count = layers.output_loss_sum, [0]  # the models' shared forward tail calls it
 
     def loss_sum(*args, **kwargs):
         count[0] += 1
         out = real(*args, **kwargs)
         return out * math.nan if calls is None or count[0] in calls else out
 
-    monkeypatch.setattr(transformer, "output_loss_sum", loss_sum)
+    monkeypatch.setattr(layers, "output_loss_sum", loss_sum)
 
 
 def local_params(trainer):
