@@ -54,29 +54,49 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        t = cfg.training
-        self.d = init_distributed(cfg.parallelism)
+        self.init_process()
+        resume_step = self.open_run()
+        self.build_and_shard_model(resume_step)
+        self.build_optimizer_and_data()
+        self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
+        self.last_loss: float | None = None  # for the closing line
+        self.stop_signal = 0
+        self.staging_ready = False
+        stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
+        load_seconds = self.resume_and_start_metrics(resume_step)
+        self.global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * self.d.world_size
+        self.print_start(resume_step, load_seconds)
+
+    def init_process(self) -> None:
+        """The process group, the seeds, and this run's folder, locked (one run per folder: RunError if in use)."""
+        t = self.cfg.training
+        self.d = init_distributed(self.cfg.parallelism)
         self.rank, self.device = self.d.rank, self.d.device
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.run_dir = Path(cfg.job.dump_folder)
-        self.run_lock = lock_run_folder(self.run_dir, self.rank)  # one run per folder: RunError if in use
+        self.run_dir = Path(self.cfg.job.dump_folder)
+        self.run_lock = lock_run_folder(self.run_dir, self.rank)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
 
-        c = cfg.checkpoint
+    def open_run(self) -> int | None:
+        """The checkpointer and the step to resume from (None: a fresh run), checked and recorded by start_run."""
+        c = self.cfg.checkpoint
         use_async = c.async_mode == "async" or (c.async_mode == "auto" and self.d.on_gpu)
         self.checkpointer = Checkpointer(c, self.run_dir, self.rank, use_async=use_async)
         resume_step = self.checkpointer.step_to_resume() if c.enable else None
         self.start_run(resume_step)
         for name in self.checkpointer.remove_incomplete():
             self.print(f"removed {name}: a save that never finished")
+        return resume_step
 
-        # Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
-        # weights do not depend on the number of ranks), then sharded.
+    def build_and_shard_model(self, resume_step: int | None) -> None:
+        """Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
+        weights do not depend on the number of ranks), then sharded."""
+        cfg, t, c = self.cfg, self.cfg.training, self.cfg.checkpoint
         with torch.device("meta"):
             model = build_model(cfg.model)
         model.to_empty(device=self.device)
@@ -93,6 +113,10 @@ class Trainer:
         self.model = parallelize(model, self.d, param_dtype=t.mixed_precision_param,
                                  reduce_dtype=t.mixed_precision_reduce,
                                  activation_checkpoint=t.activation_checkpoint, compile=t.compile)
+
+    def build_optimizer_and_data(self) -> None:
+        """Optimizer, learning-rate schedule and the training data, whose tokenizer must fit model.vocab_size."""
+        cfg, t = self.cfg, self.cfg.training
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.d.on_gpu)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loader = build_train_loader(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
@@ -103,23 +127,26 @@ class Trainer:
             raise ConfigError("model.vocab_size", f"at least the tokenizer's vocabulary ({tokenizer_vocab})",
                               cfg.model.vocab_size)
 
-        self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
-        self.last_loss: float | None = None  # for the closing line
-        self.stop_signal = 0
-        self.staging_ready = False
-        stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
+    def resume_and_start_metrics(self, resume_step: int | None) -> float | None:
+        """Load the checkpoint to resume from, if any (returns the seconds it took), then start the metrics logger
+        with the run's wandb id."""
         wandb_id = None
+        load_seconds = None
         if resume_step is not None:
             start = time.perf_counter()
             wandb_id = self.load_checkpoint(resume_step)
             load_seconds = time.perf_counter() - start
-        self.metrics = MetricsLogger(cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
+        self.metrics = MetricsLogger(self.cfg, self.run_dir, rank=self.rank, world_size=self.d.world_size,
                                      device=self.device, flops_per_token=self.flops_per_token, wandb_id=wandb_id,
                                      start_step=resume_step or 0)
         ids = [self.metrics.wandb_id]  # only rank 0 talks to wandb; every rank saves the same train state
         dist.broadcast_object_list(ids, src=0)
         self.metrics.wandb_id = ids[0]
-        self.global_batch = t.batch_size * t.gradient_accumulation_steps * self.d.world_size
+        return load_seconds
+
+    def print_start(self, resume_step: int | None, load_seconds: float | None) -> None:
+        """The start-up line: model size and FLOPs, ranks, global batch, run folder, and the resume if any."""
+        cfg, t = self.cfg, self.cfg.training
         self.print(f"model {cfg.model.name}: {self.num_params / 1e6:.1f}M parameters, "
                    f"{self.flops_per_token / 1e9:.2f} GFLOP/token | {self.d.world_size} ranks on {self.device.type} "
                    f"(replicate x shard = {tuple(self.d.mesh.shape)}) | global batch {self.global_batch} x "
