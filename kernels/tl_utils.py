@@ -1,5 +1,6 @@
 """Triton helpers shared by the chunked kernels (rwkv7, gsa): row loads and stores of packed [T, H, D] tensors,
-chunk bookkeeping, and the one way a decay factor is ever formed (`decay_on`)."""
+the chunk and scan prologues, the halving levels of the pairwise decays, and the one way a decay factor is ever
+formed (`decay_on`)."""
 
 from __future__ import annotations
 
@@ -66,15 +67,65 @@ def spare_chunk(cu, chunk_index, BT: tl.constexpr):
 
 
 @triton.jit
-def chunk_program(cu, chunk_index, BT: tl.constexpr, BK: tl.constexpr, K: tl.constexpr):
-    """The prologue of a per-chunk program (grid: chunks x heads): its chunk and head, row offsets, token indices
-    with their validity mask (rows past the sequence's end are padding), feature offsets and mask."""
+def chunk_program(cu, chunk_index, BT: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
+    """The prologue of a per-chunk program (grid: chunks x heads) on [BT, BD] tiles: its chunk and head, the end of
+    its sequence, row offsets, token indices with their validity mask (rows past the sequence's end are padding),
+    feature (or slot) offsets and their mask."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
     tok = t0 + rows
-    ck = tl.arange(0, BK)
-    return i_c, i_h, rows, tok, tok < eos, ck, ck < K
+    cd = tl.arange(0, BD)
+    return i_c, i_h, eos, rows, tok, tok < eos, cd, cd < D
+
+
+@triton.jit
+def sequence_span(cu, chunk_offsets, i_n, BT: tl.constexpr):
+    """The prologue of a scan program over sequence i_n: its first token, its end, its number of chunks and its
+    first global chunk."""
+    bos = tl.load(cu + i_n)
+    eos = tl.load(cu + i_n + 1)
+    return bos, eos, tl.cdiv(eos - bos, BT), tl.load(chunk_offsets + i_n)
+
+
+@triton.jit
+def load_state(ptr, base, rows, cols, D: tl.constexpr, m_r, m_c):
+    """[BR, BD] tile of an fp32 [R, D] state at element offset `base` (R rows always, whatever D and BD are)."""
+    return tl.load(ptr + base + rows[:, None] * D + cols[None, :], mask=m_r[:, None] & m_c[None, :], other=0.)
+
+
+# The halving levels of a chunk's pairwise decays. Level by level, blocks of BS = BT, BT/2, ..., 2 rows: the pairs
+# (t in a block's second half, s in its first half) factor through the block's middle, e^{G_t - G_s} =
+# e^{G_t - G_m} e^{G_m - G_s}, each factor a sum of log decays over at most BS/2 steps, never a difference of two
+# cumulative sums. These give the masks and the within-half sums; each op forms its factors from them.
+
+@triton.jit
+def pair_mask(rows, cols, BS: tl.constexpr):
+    """[BT, BT] (t, s): t in the second half and s in the first half of the same block of BS rows."""
+    return ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= BS // 2) \
+        & ((cols[None, :] % BS) < BS // 2)
+
+
+@triton.jit
+def second_half(rows, BS: tl.constexpr):
+    return (rows % BS) >= BS // 2
+
+
+@triton.jit
+def first_half(rows, BS: tl.constexpr):
+    return (rows % BS) < BS // 2
+
+
+@triton.jit
+def half_cumsum(x, BT: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, REVERSE: tl.constexpr = False):
+    """Cumulative sums of a token-major [BT, BD] tile down its rows, restarting every HALF rows."""
+    return tl.reshape(tl.cumsum(tl.reshape(x, [BT // HALF, HALF, BD]), axis=1, reverse=REVERSE), [BT, BD])
+
+
+@triton.jit
+def half_cumsum_t(xT, BD: tl.constexpr, BT: tl.constexpr, HALF: tl.constexpr, REVERSE: tl.constexpr = False):
+    """half_cumsum of a feature-major [BD, BT] tile, along its columns."""
+    return tl.reshape(tl.cumsum(tl.reshape(xT, [BD, BT // HALF, HALF]), axis=2, reverse=REVERSE), [BD, BT])
 
 
 @triton.jit

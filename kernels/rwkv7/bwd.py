@@ -128,7 +128,7 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     is bound by the latency of its many small products, not by their arithmetic."""
     if spare_chunk(cu, chunk_index, BT):
         return
-    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     c2 = tl.arange(0, 2 * BT)
     t2 = c2 % BT            # the token of each paired column (and row of dA)

@@ -54,7 +54,7 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
               STORE_WF: tl.constexpr):
     if spare_chunk(cu, chunk_index, BT):
         return
-    i_c, i_h, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
     # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
     b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
