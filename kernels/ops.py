@@ -40,14 +40,15 @@ class Op:
         return lambda *xs: self.fla_call(mod, xs)
 
 
-def rwkv7_inputs(B, T, H, D, device="cuda"):
+def rwkv7_inputs(B, T, H, K, V, device="cuda"):
     """As the RWKV-7 layer makes them: a = -kk, b = kk * rate (kk unit-norm), log decay in [-e^-0.5, 0) in fp32."""
     torch.manual_seed(0)
     dt = torch.bfloat16
-    r, k, v = (torch.randn(B, T, H, D, device=device, dtype=dt) for _ in range(3))
-    kk = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1)
-    rate = torch.rand(B, T, H, D, device=device)
-    w = -math.exp(-0.5) * torch.sigmoid(torch.randn(B, T, H, D, device=device))
+    r, k = (torch.randn(B, T, H, K, device=device, dtype=dt) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=device, dtype=dt)
+    kk = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    rate = torch.rand(B, T, H, K, device=device)
+    w = -math.exp(-0.5) * torch.sigmoid(torch.randn(B, T, H, K, device=device))
     return [r, w, k, v, (-kk).to(dt), (kk * rate).to(dt)]
 
 
@@ -63,8 +64,8 @@ def gsa_inputs(B, T, H, D, M, device="cuda"):
 
 OPS = {
     # B=8 T=4096 takes the sequential scans, B=2 T=16384 the blocked ones (few sequence-heads)
-    "rwkv7": Op("rwkv7", "kernels.rwkv7", ("B", "T", "H", "D"), ((8, 4096, 16, 64), (2, 16384, 16, 64)),
-                rwkv7_inputs,
+    "rwkv7": Op("rwkv7", "kernels.rwkv7", ("B", "T", "H", "K", "V"),
+                ((8, 4096, 16, 64, 64), (2, 16384, 16, 64, 64)), rwkv7_inputs,
                 lambda fn, xs, s: fn(*xs, scale=1.0, backend="triton", settings=s)[0],
                 # as FLA's RWKV7 layer calls it: bf16 log decay bounded below, chunks of 64
                 lambda fla, xs: fla.chunk_rwkv7(xs[0], xs[1].to(xs[0].dtype), *xs[2:], scale=1.0, safe_gate=True,

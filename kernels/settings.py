@@ -1,39 +1,35 @@
-"""Kernel module settings (tiles, warps, precisions, variants: the module-level constants of kernels.rwkv7 and
-kernels.gsa) changed by name, for benchmarks, offline compiles and test runs:
+"""Kernel settings by name, for benchmarks and offline compiles: "op.field=value" against the op's frozen Settings
+(kernels/<op>/chunk.py), e.g.
 
-    python scripts/bench_kernels.py --set rwkv7.LEVEL_SUMS=False --set rwkv7.PREP_MAXNREG=128
-    FLAME_KERNEL_SETTINGS="rwkv7.LEVEL_SUMS=False,gsa.FEED_SCAN=False" python -m pytest -m gpu tests/kernels
+    python scripts/bench_kernels.py --set rwkv7.scan_bv=32 --set gsa.scan_warps=8
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
+import dataclasses
 
 
-def apply(items: list[str]) -> dict:
-    """Set each "family.NAME=VALUE" (VALUE a Python literal, or a bare word taken as a string); returns the settings
-    made. An unknown family or name is an error, not a silent no-op."""
-    made = {}
+def parse(items: list[str]) -> dict:
+    """{op name: its Settings with the given fields changed} for each op named in items ("op.field=value"; value a
+    Python literal, or a bare word taken as a string). An unknown op or field is an error, not a silent no-op."""
+    from kernels.ops import OPS
+
+    changes: dict[str, dict] = {}
     for item in items:
         target, sep, text = item.partition("=")
-        family, dot, name = target.strip().partition(".")
+        op, dot, field = target.strip().partition(".")
         if not sep or not dot:
-            raise ValueError(f"kernel setting {item!r}: expected family.NAME=VALUE, e.g. rwkv7.PREP_MAXNREG=128")
-        module = importlib.import_module(f"kernels.{family}")
-        if not name.isupper() or not hasattr(module, name):
-            raise ValueError(f"kernel setting {item!r}: kernels.{family} has no setting {name}")
+            raise ValueError(f"kernel setting {item!r}: expected op.field=value, e.g. rwkv7.scan_bv=32")
+        if op not in OPS:
+            raise ValueError(f"kernel setting {item!r}: no op {op!r} (ops: {', '.join(OPS)})")
+        fields = {f.name for f in dataclasses.fields(OPS[op].settings_type())}
+        if field not in fields:
+            raise ValueError(f"kernel setting {item!r}: {op} has no setting {field!r} (settings: "
+                             f"{', '.join(sorted(fields))})")
         try:
             value = ast.literal_eval(text.strip())      # 8, True, None, 'bf16'
         except (ValueError, SyntaxError):
             value = text.strip()                         # bf16
-        setattr(module, name, value)
-        made[f"{family}.{name}"] = value
-    return made
-
-
-def apply_env(var: str = "FLAME_KERNEL_SETTINGS") -> dict:
-    """apply() of the comma-separated settings in an environment variable (none when unset)."""
-    import os
-    text = os.environ.get(var, "")
-    return apply([x for x in text.split(",") if x.strip()])
+        changes.setdefault(op, {})[field] = value
+    return {op: OPS[op].settings_type()(**kw) for op, kw in changes.items()}

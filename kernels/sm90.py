@@ -37,15 +37,15 @@ def build(b: Launch):
                           options=options)
 
 
-def op_launches(op) -> dict[str, Launch]:
-    """The distinct launches of one op (a kernels.ops.Op) over its benchmark shapes, forward and backward, with its
-    default settings: recorded on meta tensors, nothing runs."""
+def op_launches(op, settings=None) -> dict[str, Launch]:
+    """The distinct launches of one op (a kernels.ops.Op) over its benchmark shapes, forward and backward, with
+    `settings` (None: its defaults): recorded on meta tensors, nothing runs."""
     import torch
 
     with record() as launches:
         for shape in op.shapes:
             xs = [x.requires_grad_(x.is_floating_point()) for x in op.make_inputs(*shape, device="meta")]
-            out = op.ours(xs)
+            out = op.ours(xs, settings)
             torch.autograd.backward(out, [torch.ones_like(out)])
     return distinct(launches)
 
@@ -72,14 +72,14 @@ def resources(compiled) -> dict:
                 instructions=len(code), loop=max(loops, default=0))
 
 
-def report(op, what: str = "shared") -> dict:
+def report(op, what: str = "shared", settings=None) -> dict:
     """{kernel build: shared memory bytes} (what="shared") or {kernel build: resources(...)} of one op, or
     {"unavailable": why} when this Triton cannot compile for CUDA."""
     why = unavailable()
     if why:
         return {"unavailable": why}
     return {name: (c.metadata.shared if what == "shared" else resources(c))
-            for name, c in ((n, build(b)) for n, b in op_launches(op).items())}
+            for name, c in ((n, build(b)) for n, b in op_launches(op, settings).items())}
 
 
 def unavailable() -> str | None:

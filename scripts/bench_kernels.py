@@ -1,34 +1,31 @@
-"""Kernel benchmark: our chunk_rwkv7 beside FLA's (optional) and causal SDPA flash attention, same run, same GPU.
+"""Kernel benchmark of every chunked op (kernels/ops.py): ours beside FLA's (when installed) and causal SDPA flash
+attention, same run, same GPU.
 
-    python scripts/bench_kernels.py                 # the table (median ms, tokens/s, peak memory, ratio vs FLA)
-    python scripts/bench_kernels.py --sweep [N]     # also (the first N of) the alternatives to our settings
-    python scripts/bench_kernels.py --profile       # also per-kernel CUDA time of one fwd+bwd
-    python scripts/bench_kernels.py --set rwkv7.LEVEL_SUMS=False   # other kernel settings (kernels/settings.py)
+    python scripts/bench_kernels.py                       # both ops: median ms, tokens/s, peak memory, ratio to FLA
+    python scripts/bench_kernels.py --op gsa --kernels ours
+    python scripts/bench_kernels.py --set rwkv7.scan_bv=32   # a setting other than its default (kernels/settings.py)
+    python scripts/bench_kernels.py --profile             # also the GPU time of each kernel in one fwd+bwd
 
-FLA's chunk_rwkv7 is called as FLA's RWKV7 layer calls it (a = -kk, b = kk * a, scale 1, safe_gate=True,
-lower_bound=-exp(-0.5), chunk_size=64, bf16 log decay in [-exp(-0.5), 0)). Ours gets the same values with the log
-decay in fp32. Rows for FLA are skipped with a note when it is not installed.
+Two times per row: the timed fwd+bwd (triton.testing.do_bench, median), and the time the GPU spends in kernels
+(the sum of the kernels' durations under the profiler): the timed figure includes the gaps in which the GPU waits
+for the host to launch the next kernel, so it depends on the host's speed where kernels are short and many.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = [(8, 4096, 16, 64), (2, 16384, 16, 64)]   # B, T, H, K = V
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.ops import OPS  # noqa: E402
 
-def make(B, T, H, D, dev="cuda"):
-    torch.manual_seed(0)
-    dt = torch.bfloat16
-    r, k, v = (torch.randn(B, T, H, D, device=dev, dtype=dt) for _ in range(3))
-    kk = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1)
-    rate = torch.rand(B, T, H, D, device=dev)
-    w = -math.exp(-0.5) * torch.sigmoid(torch.randn(B, T, H, D, device=dev))
-    return r, w, k, v, (-kk).to(dt), (kk * rate).to(dt)
+TABLE_HEAD = ("| shape | kernel | fwd ms | fwd+bwd ms | GPU ms (fwd+bwd) | fwd+bwd Mtok/s | fwd+bwd peak MiB "
+              "| FLA / this (fwd+bwd) | FLA / this (GPU ms) |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def bench(fn, inputs, backward):
@@ -55,37 +52,14 @@ def bench(fn, inputs, backward):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = do_bench(step, warmup=50, rep=300, return_mode="median")
-    return ms, peak
-
-
-def ours(r, w, k, v, a, b):
-    from kernels.rwkv7 import chunk_rwkv7
-    return chunk_rwkv7(r, w, k, v, a, b, scale=1.0)[0]
-
-
-def fla_fn():
-    try:
-        from fla.ops.rwkv7 import chunk_rwkv7 as fla_chunk
-    except Exception as e:  # noqa: BLE001  (missing, or broken against this torch/triton)
-        return None, f"{type(e).__name__}: {e}"
-
-    def fn(r, w, k, v, a, b):
-        return fla_chunk(r, w.to(r.dtype), k, v, a, b, scale=1.0, safe_gate=True,
-                         lower_bound=-math.exp(-0.5), chunk_size=64)[0]
-    return fn, None
-
-
-def sdpa(r, w, k, v, a, b):
-    q, kk, vv = (x.transpose(1, 2) for x in (r, k, v))
-    return F.scaled_dot_product_attention(q, kk, vv, is_causal=True).transpose(1, 2)
+    return do_bench(step, warmup=50, rep=300, return_mode="median"), peak
 
 
 def kernel_times(fn, xs) -> list[tuple[str, float]]:
     """(kernel name, ms) of every kernel that ran on the GPU during one fwd+bwd of fn on xs, under the profiler."""
-    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         o = fn(*xs)
         o.backward(torch.ones_like(o))
         torch.cuda.synchronize()
@@ -95,18 +69,25 @@ def kernel_times(fn, xs) -> list[tuple[str, float]]:
 
 
 def gpu_ms(fn, inputs, runs=3):
-    """Time the GPU spends in kernels during one fwd+bwd (the sum of the kernels' durations, median of `runs`): the
-    device's work alone, without the gaps in which it waits for the host to launch the next kernel. The timed
-    fwd+bwd includes those gaps, so it depends on the host's speed where the kernels are short and many (FLA's
-    fwd+bwd took 3.66 to 5.34 ms on four H100 machines while its kernels took about 3.4 ms)."""
+    """The GPU's time in kernels during one fwd+bwd, median of `runs`."""
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
     kernel_times(fn, xs)   # warm-up
-    totals = sorted(sum(ms for _, ms in kernel_times(fn, xs)) for _ in range(runs))
-    return totals[runs // 2]
+    return sorted(sum(ms for _, ms in kernel_times(fn, xs)) for _ in range(runs))[runs // 2]
 
 
-TABLE_HEAD = ("| shape | kernel | fwd ms | fwd+bwd ms | GPU ms (fwd+bwd) | fwd+bwd Mtok/s | fwd+bwd peak MiB "
-              "| FLA / this (fwd+bwd) | FLA / this (GPU ms) |\n|---|---|---|---|---|---|---|---|---|")
+def profile(fn, inputs, label):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    kernel_times(fn, xs)   # warm-up
+    rows = kernel_times(fn, xs)
+    print(f"\n-- {label}: GPU time per kernel (one fwd+bwd)")
+    for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
+        print(f"   {ms:8.3f} ms  {name[:90]}")
+    print(f"   {sum(ms for _, ms in rows):8.3f} ms  on the GPU in all ({len(rows)} kernels)")
+
+
+def sdpa(q, k, v, *_):
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
 def table_rows(shape: str, tokens: int, res: dict, ref_name: str) -> list[str]:
@@ -121,91 +102,57 @@ def table_rows(shape: str, tokens: int, res: dict, ref_name: str) -> list[str]:
     return rows
 
 
-def profile(fn, inputs, label):
-    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    kernel_times(fn, xs)   # warm-up
-    rows = kernel_times(fn, xs)
-    print(f"\n-- {label}: CUDA time per kernel (one fwd+bwd)")
-    for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
-        print(f"   {ms:8.3f} ms  {name[:90]}")
-    # against the timed fwd+bwd: what is left is the GPU waiting for the host to launch the next kernel
-    print(f"   {sum(ms for _, ms in rows):8.3f} ms  on the GPU in all ({len(rows)} kernels)")
-
-
-# Results on an H100 are in kernels/rwkv7/README.md (chunks of 32 and 64 were far slower or did not fit; run those
-# one per process: an illegal memory access poisons the CUDA context for the settings after it).
-SWEEP = [dict(W_FEATURE_MAJOR=False), dict(BLOCK_MAP_BV=64), dict(BLOCK_SCAN=True), dict(BLOCK_SCAN=False),
-         dict(SCAN_WARPS=8), dict(SCAN_BV=32), dict(BWD_WARPS=8), dict(PREP_MAXNREG=128), dict(PREP_MAXNREG=None), dict(LEVEL_SUMS=False),
-         dict(CHUNK_PREC="bf16"), dict(BLOCK_CHUNKS=16), dict(BLOCK_CHUNKS=64), dict(BLOCK_BV=32),
-         dict(BLOCK_MAP_WARPS=8)]
-
-
-def grads(fn, inputs):
-    """Output and input gradients of one fwd+bwd (fixed upstream gradient), flattened."""
-    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    o = fn(*xs)
-    o.backward(torch.ones_like(o) / o.numel() ** 0.5)
-    return [o.float()] + [x.grad.float() for x in xs]
-
-
-def sweep(mod, fn, inputs, changes=SWEEP):
-    """Alternatives to the defaults set in the kernel module `mod` (one change of its settings at a time), each with
-    its largest relative RMS difference from the defaults over the output and the input gradients."""
-    ref = grads(fn, inputs)
-    for change in changes:
-        saved = {n: getattr(mod, n) for n in change}
-        for n, x in change.items():
-            setattr(mod, n, x)
+def bench_op(op, settings, args) -> list[str]:
+    fla, why = None, "--kernels ours"
+    if args.kernels == "all":
         try:
-            f_ms, _ = bench(fn, inputs, False)
-            fb_ms, _ = bench(fn, inputs, True)
-            diff = max(((g - g0).pow(2).mean() / g0.pow(2).mean()).sqrt().item()
-                       for g, g0 in zip(grads(fn, inputs), ref))
-            print(f"   sweep {change}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, rel diff {diff:.1e}", flush=True)
-        except Exception as e:  # noqa: BLE001  (a setting that does not compile is reported, not fatal)
-            print(f"   sweep {change}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        finally:
-            for n, x in saved.items():
-                setattr(mod, n, x)
-
-
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--sweep", nargs="?", type=int, const=len(SWEEP), default=0, metavar="N",
-                   help="also time the first N (default: all) alternatives in SWEEP")
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--shapes", default="all", choices=["all", "first", "last"])
-    p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
-    p.add_argument("--set", action="append", default=[], metavar="rwkv7.NAME=VALUE",
-                   help="a kernel setting instead of its default (kernels/settings.py), e.g. rwkv7.PREP_MAXNREG=128")
-    args = p.parse_args()
-    from kernels.settings import apply
-    made = apply(args.set)
-    if made:
-        print(f"kernel settings: {made}")
-    import kernels.rwkv7 as mod
-    fla, why = fla_fn() if args.kernels == "all" else (None, "--kernels ours")
+            fla = op.fla()
+        except Exception as e:  # noqa: BLE001  (missing, or broken against this torch/triton)
+            why = f"{type(e).__name__}: {e}"
     if fla is None:
-        print(f"note: FLA rows skipped ({why})")
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    shapes = {"all": SHAPES, "first": SHAPES[:1], "last": SHAPES[-1:]}[args.shapes]
+        print(f"note: FLA's {op.name} rows skipped ({why})")
+    ours_name, fla_name = f"ours chunk_{op.name}", f"FLA 0.6.0 chunk_{op.name}"
+    cands = [(ours_name, lambda *xs: op.ours(xs, settings))] + ([(fla_name, fla)] if fla else []) \
+        + ([("SDPA flash (causal)", sdpa)] if args.kernels == "all" else [])
+    shapes = {"all": op.shapes, "first": op.shapes[:1], "last": op.shapes[-1:]}[args.shapes]
     rows = []
-    for B, T, H, D in shapes:
-        inputs = make(B, T, H, D)
-        cands = [("ours chunk_rwkv7", ours)] + ([("FLA 0.6.0 chunk_rwkv7", fla)] if fla else []) \
-            + ([("SDPA flash (causal)", sdpa)] if args.kernels == "all" else [])
+    for shape in shapes:
+        inputs = op.make_inputs(*shape)
+        label = " ".join(f"{n}={x}" for n, x in zip(op.shape_names, shape))
         res = {}
         for name, fn in cands:
             f_ms, _ = bench(fn, inputs, False)
             fb_ms, fb_mem = bench(fn, inputs, True)
             res[name] = (f_ms, fb_ms, fb_mem, gpu_ms(fn, inputs))
-            print(f"   done {name} B={B} T={T}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, "
-                  f"GPU {res[name][3]:.3f} ms", flush=True)
-            if name.startswith("ours") and args.sweep:
-                sweep(mod, ours, inputs, SWEEP[:args.sweep])
+            print(f"   done {name} {label}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, GPU {res[name][3]:.3f} ms",
+                  flush=True)
             if args.profile and name != "SDPA flash (causal)":
-                profile(fn, inputs, f"{name} B={B} T={T}")
-        rows += table_rows(f"B={B} T={T} H={H} D={D}", B * T, res, "FLA 0.6.0 chunk_rwkv7")
+                profile(fn, inputs, f"{name} {label}")
+        rows += table_rows(label, shape[0] * shape[1], res, fla_name)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--op", default="all", choices=["all", *OPS])
+    p.add_argument("--shapes", default="all", choices=["all", "first", "last"])
+    p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="a kernel setting instead of its default, e.g. rwkv7.scan_bv=32")
+    args = p.parse_args()
+    from kernels.settings import parse
+    try:
+        settings = parse(args.set)
+    except ValueError as e:
+        p.exit(2, f"bench_kernels: {e}\n")
+    if settings:
+        print(f"kernel settings: {settings}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    for name, op in OPS.items():
+        if args.op in ("all", name):
+            rows += bench_op(op, settings.get(name), args)
     print("\n" + TABLE_HEAD)
     print("\n".join(rows))
 

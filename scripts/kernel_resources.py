@@ -1,9 +1,9 @@
 """Registers, stack bytes (spilled registers) per thread, shared memory per block and SASS instructions (in all, and
-in the largest loop body, a sequential scan's step) of every RWKV-7 and GSA kernel, compiled offline for an
-H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel change can be judged before a device call. The
-kernels and their launch settings are the ones the sm_90 compile tests build.
+in the largest loop body, a sequential scan's step) of every kernel build our ops launch at their benchmark shapes
+(kernels/ops.py), compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel
+change can be judged before a device call. The builds are recorded from the launch code (kernels/launch.py).
 
-    python scripts/kernel_resources.py [--kv 64] [--gsa-m 64] [--set rwkv7.LEVEL_SUMS=True --set rwkv7.CHUNK_PREC=bf16]
+    python scripts/kernel_resources.py [--op rwkv7|gsa] [--set rwkv7.prep_maxnreg=128]
 """
 
 from __future__ import annotations
@@ -19,28 +19,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main():
+    from kernels.ops import OPS
     p = argparse.ArgumentParser()
-    p.add_argument("--kv", type=int, default=64, help="RWKV-7 K = V")
-    p.add_argument("--gsa-m", type=int, default=64, help="GSA slots (K = V = 256)")
-    p.add_argument("--set", action="append", default=[], metavar="FAMILY.NAME=VALUE",
-                   help="a module setting of kernels.rwkv7 or kernels.gsa, e.g. rwkv7.BWD_WARPS=8")
+    p.add_argument("--op", default="all", choices=["all", *OPS])
+    p.add_argument("--set", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="a kernel setting instead of its default, e.g. rwkv7.prep_maxnreg=128")
     args = p.parse_args()
-    from kernels.settings import apply
-    apply(args.set)
     import triton
 
-    from tests.kernels import test_gsa, test_rwkv7
-    print(f"Triton {triton.__version__} (the device image has 3.6: registers and spills differ between versions)")
-
-    for title, table in ((f"RWKV-7, K = V = {args.kv}", test_rwkv7.compile_for_sm90(args.kv, args.kv, "resources")),
-                         (f"GSA, M = {args.gsa_m}, K = V = 256", test_gsa.compile_for_sm90(args.gsa_m, what="resources"))):
-        if "unavailable" in table:
-            raise SystemExit(f"this Triton cannot compile for CUDA: {table['unavailable']}")
-        print(f"\n{title} (sm_90)\n| kernel | registers | stack bytes | shared bytes | instructions | loop body |"
-              "\n|---|---|---|---|---|---|")
-        for name, r in table.items():
-            print(f"| {name} | {r['registers']} | {r['stack']} | {r['shared']} | {r['instructions']} | {r['loop']} |",
-                  flush=True)
+    from kernels import sm90
+    from kernels.settings import parse
+    try:
+        settings = parse(args.set)
+    except ValueError as e:
+        p.exit(2, f"kernel_resources: {e}\n")
+    why = sm90.unavailable()
+    if why:
+        p.exit(2, f"kernel_resources: this Triton cannot compile for CUDA: {why}\n")
+    print(f"Triton {triton.__version__} (registers and spills differ between Triton versions)")
+    for name, op in OPS.items():
+        if args.op not in ("all", name):
+            continue
+        shapes = ", ".join(" ".join(f"{n}={x}" for n, x in zip(op.shape_names, s)) for s in op.shapes)
+        print(f"\n{name} at {shapes} (sm_90)\n| kernel | registers | stack bytes | shared bytes | instructions "
+              "| loop body |\n|---|---|---|---|---|---|")
+        for kernel, r in sm90.report(op, "resources", settings.get(name)).items():
+            print(f"| {kernel} | {r['registers']} | {r['stack']} | {r['shared']} | {r['instructions']} "
+                  f"| {r['loop']} |", flush=True)
 
 
 if __name__ == "__main__":

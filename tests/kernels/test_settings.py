@@ -1,40 +1,27 @@
-"""kernels.settings: kernel settings changed by name (benchmarks, offline compiles, FLAME_KERNEL_SETTINGS)."""
+"""kernels.settings: "op.field=value" against each op's frozen Settings (benchmarks, offline compiles)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import dataclasses
 
 import pytest
 
-import kernels.rwkv7 as rwkv7
-from kernels.settings import apply
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def test_apply_sets_typed_values_and_returns_them(monkeypatch):
-    for name in ("PREP_MAXNREG", "LEVEL_SUMS", "CHUNK_PREC", "SCAN_BV"):
-        monkeypatch.setattr(rwkv7, name, getattr(rwkv7, name))   # restored after the test
-    made = apply(["rwkv7.PREP_MAXNREG=128", "rwkv7.LEVEL_SUMS=False", "rwkv7.CHUNK_PREC=bf16", "rwkv7.SCAN_BV=None"])
-    assert made == {"rwkv7.PREP_MAXNREG": 128, "rwkv7.LEVEL_SUMS": False, "rwkv7.CHUNK_PREC": "bf16",
-                    "rwkv7.SCAN_BV": None}
-    assert (rwkv7.PREP_MAXNREG, rwkv7.LEVEL_SUMS, rwkv7.CHUNK_PREC, rwkv7.SCAN_BV) == (128, False, "bf16", None)
+from kernels.gsa.chunk import Settings as GSASettings
+from kernels.rwkv7.chunk import Settings as RWKV7Settings
+from kernels.settings import parse
 
 
-@pytest.mark.parametrize("item", ["rwkv7.NO_SUCH=1", "rwkv7.chunk_rwkv7=1", "nofamily.X=1", "rwkv7.PREP_MAXNREG"])
-def test_apply_rejects_unknown_settings(item):
-    with pytest.raises((ValueError, ModuleNotFoundError)):
-        apply([item])
+def test_parse_gives_typed_settings_per_op():
+    made = parse(["rwkv7.prep_maxnreg=128", "rwkv7.scan_bv=None", "rwkv7.prec=ieee", "gsa.scan_warps=8"])
+    assert made == {"rwkv7": dataclasses.replace(RWKV7Settings(), prep_maxnreg=128, scan_bv=None, prec="ieee"),
+                    "gsa": dataclasses.replace(GSASettings(), scan_warps=8)}
 
 
-def test_env_settings_reach_the_tests(tmp_path):
-    # a pytest run under FLAME_KERNEL_SETTINGS sees the setting in the module its tests use
-    probe = tmp_path / "test_probe.py"
-    probe.write_text("import kernels.rwkv7 as m\n\ndef test_probe():\n    assert m.PREP_MAXNREG == 128 and m.LEVEL_SUMS is False\n")
-    env = dict(os.environ, FLAME_KERNEL_SETTINGS="rwkv7.PREP_MAXNREG=128, rwkv7.LEVEL_SUMS=False", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), str(probe)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "kernel settings: {'rwkv7.PREP_MAXNREG': 128, 'rwkv7.LEVEL_SUMS': False}" in proc.stdout
+@pytest.mark.parametrize("item", ["rwkv7.no_such=1", "rwkv7.chunk_rwkv7=1", "nofamily.x=1", "rwkv7.prep_maxnreg",
+                                  "scan_bv=16"])
+def test_parse_rejects_unknown_settings(item):
+    with pytest.raises(ValueError, match="kernel setting"):
+        parse([item])
+
+
+def test_settings_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RWKV7Settings().scan_bv = 16

@@ -1,0 +1,76 @@
+"""Every kernel build our ops launch compiles for an H100 (sm_90) and fits its shared memory, checked offline (no GPU):
+the interpreter runs the kernels but never lowers them. The builds are recorded from the launch code itself
+(kernels.launch.record) at each op's benchmark shapes and at the largest tiles it supports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# beside the benchmark shapes (each shape regime): the largest tiles and K != V
+EXTRA_SHAPES = {"rwkv7": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
+                          (2, 16384, 16, 32, 128)],
+                "gsa": [(8, 4096, 4, 256, 128), (2, 16384, 4, 256, 128), (2, 4096, 4, 64, 32)]}
+
+
+def in_fresh_process(code: str):
+    """Run `code` (printing one JSON line last) without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def skip_without_cuda_backend():
+    pytest.importorskip("triton")
+    why = in_fresh_process("import json; from kernels.sm90 import unavailable; print(json.dumps(unavailable()))")
+    if why:
+        pytest.skip(f"this Triton cannot compile for CUDA: {why}")
+
+
+@pytest.mark.parametrize("op", ["rwkv7", "gsa"])
+def test_every_launched_kernel_compiles_for_h100(op):
+    skip_without_cuda_backend()
+    from kernels.sm90 import H100_SMEM
+    shapes = EXTRA_SHAPES[op]
+    smem = in_fresh_process(
+        "import dataclasses, json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches, report\n"
+        f"op = OPS[{op!r}]\nwide = dataclasses.replace(op, shapes=op.shapes + tuple({shapes!r}))\n"
+        "out = report(wide)\nout['regimes'] = len(op_launches(op))\nprint(json.dumps(out))")
+    regimes = smem.pop("regimes")
+    assert regimes >= 4 and len(smem) >= regimes, smem   # forward and backward kernels, both shape regimes
+    for name, nbytes in smem.items():
+        assert 0 < nbytes <= H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {H100_SMEM})"
+
+
+def test_recorded_launches_cover_both_regimes_of_each_op():
+    # the two benchmark shapes of each op take different launch paths: each shape adds builds the other lacks
+    from kernels.ops import OPS
+    from kernels.sm90 import op_launches
+    for op in OPS.values():
+        per_shape = [set(op_launches(dataclasses.replace(op, shapes=(s,))).values()) for s in op.shapes]
+        assert per_shape[0] - per_shape[1] and per_shape[1] - per_shape[0], op.name
+
+
+def test_kernel_resources_script_reports_every_build():
+    skip_without_cuda_backend()
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_resources.py")], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from kernels.ops import OPS
+    from kernels.sm90 import op_launches
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
+    assert len(rows) == sum(len(op_launches(op)) for op in OPS.values()), proc.stdout
+    for name, regs, stack, shared, instructions, loop in rows:
+        assert 0 < int(regs) <= 255 and int(stack) >= 0 and 0 < int(shared) <= 232448, name
+        # the scans are loops over chunks; their body is part of the kernel
+        assert 0 < int(loop) < int(instructions) if "scan" in name else 0 <= int(loop) < int(instructions), name
