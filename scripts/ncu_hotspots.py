@@ -6,8 +6,8 @@
 
 Prints the stall reasons over all samples, the share of samples per opcode, the local-memory (spilled registers)
 against global L2 sectors, and the instructions where most samples fell with their main reasons. A load issued
-right before its use shows up as the first instruction that consumes it waiting on `long_sb` (as the forward scan's
-Uv did: 18% of its samples on one shared-memory store). scripts/ncu_scans.sh writes these CSVs (SOURCE=1).
+right before its use shows up as the first instruction that consumes it waiting on `long_sb`. scripts/ncu_scans.sh
+writes these CSVs (SOURCE=1).
 """
 
 from __future__ import annotations

@@ -11,28 +11,18 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 read -r B T <<< "${SHAPE:-2 16384}"
 cat > /tmp/one_step.py <<PY
+# one fwd+bwd of each op on the inputs its benchmark makes (kernels/ops.py), heads and widths as benchmarked
 import torch, sys
 sys.path.insert(0, "$PWD")
-from kernels.rwkv7 import chunk_rwkv7
-from kernels.gsa import chunk_gsa
-import torch.nn.functional as F
-torch.manual_seed(0)
-B, T, dev = $B, $T, "cuda"
-bf = dict(device=dev, dtype=torch.bfloat16)
-r, k, v = (torch.randn(B, T, 16, 64, **bf) for _ in range(3))
-kk = F.normalize(torch.randn(B, T, 16, 64, device=dev), dim=-1)
-w = -torch.rand(B, T, 16, 64, device=dev) * 0.6
-xs = [x.requires_grad_(True) for x in (r, w, k, v, (-kk).to(torch.bfloat16), (kk * 0.5).to(torch.bfloat16))]
-chunk_rwkv7(*xs)[0].sum().backward()
-q, k2, v2 = (torch.randn(B, T, 4, 256, **bf) for _ in range(3))
-g = F.logsigmoid(torch.randn(B, T, 4, 64, device=dev)) / 8
-s = (1 - g.exp()).to(torch.bfloat16)
-ys = [x.requires_grad_(True) for x in (q, k2, v2, s, g)]
-chunk_gsa(*ys)[0].sum().backward()
+from kernels.ops import OPS
+for op in OPS.values():
+    shape = (($B, $T) + op.shapes[0][2:])
+    xs = [x.requires_grad_(True) for x in op.make_inputs(*shape)]
+    op.ours(xs).sum().backward()
 torch.cuda.synchronize()
 PY
 python3 /tmp/one_step.py || exit 1   # compile (and autotune) outside the profiler
-KERNELS=${KERNELS:-_fwd|_bwd|_state_scan|_gate}
+KERNELS=${KERNELS:-_fwd|_bwd|_state_scan|_out_scan|_block_scan|_gate}
 extra=()
 [ "${SOURCE:-0}" = 1 ] && extra=(--section SourceCounters --section MemoryWorkloadAnalysis --import-source no
                                  --export /tmp/ncu_rep --force-overwrite)
