@@ -11,16 +11,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import chunk_program, decay_on, load_rows, load_w, scan_span
-from kernels.rwkv7.levels import level_sums_t, pair_mask
-from kernels.tl_utils import chunk_bounds, load_cols, mm, spare_chunk, store_cols
+from kernels.rwkv7.fwd import load_w, scan_span
+from kernels.tl_utils import (chunk_bounds, chunk_program, decay_on, first_half, half_cumsum_t, load_cols,
+                               load_rows, pair_mask, second_half, spare_chunk, store_cols)
 
 
 @triton.jit
-def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
+def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
               scale, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
-              HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, W_FM: tl.constexpr):
+              HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
     """The state-gradient recursion over chunks, last to first, in one of three roles (as the forward's):
       sequence   (BLOCKED=False, OUT): from dht through all chunks, storing dS at each chunk's end as dh and dZ;
                  dS at t = 0 to dh0.
@@ -53,7 +53,7 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh
         i_t = first + count - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        wT = load_w(w, tok, c0 + i_t, i_h, H, K, ck, m_k, m_t, rows, TT, BT, W_FM)
+        wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
         r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
@@ -64,17 +64,26 @@ def _bwd_scan(r, w, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
         if OUT:
             tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
-        dUT = scale * mm(doT, A_rb, PREC) + mm(tl.trans(dS), b_endT, PREC)
-        dZT = mm(dUT, T, PREC)
+        dUT = scale * tl.dot(doT, A_rb, input_precision=PREC) + tl.dot(tl.trans(dS), b_endT, input_precision=PREC)
+        dZT = tl.dot(dUT, T, input_precision=PREC)
         if OUT:
             store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
-        dS = tl.exp(gC)[:, None] * dS + scale * mm(r_decT, tl.trans(doT), PREC) \
-            + mm(a_decT, tl.trans(dZT), PREC)
+        dS = tl.exp(gC)[:, None] * dS + scale * tl.dot(r_decT, tl.trans(doT), input_precision=PREC) \
+            + tl.dot(a_decT, tl.trans(dZT), input_precision=PREC)
     if BLOCKED:
         if not OUT:
             tl.store(dSb + block_base + s_off, dS, mask=m_kv)
     elif STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
+
+
+@triton.jit
+def level_sums_t(wT, rows, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+    """fwd.level_sums of a feature-major [BK, BT] chunk: g_t - g_m, ge_t - g_m, g_m - g_s and the half masks
+    [1, BT] (_bwd_chunk masks its pairs at the paired width)."""
+    to_row = half_cumsum_t(wT, BK, BT, BS // 2)
+    from_col = half_cumsum_t(wT, BK, BT, BS // 2, True) - wT
+    return to_row, to_row - wT, from_col, second_half(rows, BS)[None, :], first_half(rows, BS)[None, :]
 
 
 @triton.jit
@@ -88,9 +97,8 @@ def load_pair_cols(p_lo, p_hi, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, 
 @triton.jit
 def load_pair_raw(p_lo, p_hi, tok2, lo, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t2, m_f):
     """load_pair_cols in the tensors' own dtype: a bf16 pair held through the kernel takes half the registers of
-    an fp32 one (_bwd_chunk converts [r | a] and [b | k] at each use: 32 fewer bytes of spills, 4 % faster). The
-    pairs that mix dtypes ([do | dZ], [U | v]) stay with load_pair_cols: folded into it, they measured 2 % slower
-    on another H100 (not timed side by side)."""
+    an fp32 one (_bwd_chunk converts [r | a] and [b | k] at each use, spilling less). The pairs that mix dtypes
+    ([do | dZ], [U | v]) are loaded as fp32 by load_pair_cols."""
     p = tok2[None, :].to(tl.int64) * H * D + i_h * D + feats[:, None]
     m = m_f[:, None] & m_t2[None, :]
     return tl.where(lo[None, :], tl.load(p_lo + p, mask=m & lo[None, :], other=0.),
@@ -116,11 +124,10 @@ def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                dr, dw, dk, dv, da, db, scale, TT,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-               W_FM: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     """Token tiles are feature-major and paired: [BK or BV, 2 BT], the chunk's tokens twice along the columns, the
     first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
     [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
@@ -138,7 +145,7 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
 
     # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads; g and e^{gC - g} are
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
-    wT = load_w(w, tok, i_c, i_h, H, K, ck, m_k, m_t, rows, TT, BT, W_FM)
+    wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)
     gC = tl.sum(wT, axis=1)
     k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
     # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)
@@ -160,11 +167,11 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
         X2 = load_pair_cols(do, dZ, tok2, lo, i_h, H, V, cv, m_t2, m_v)   # [BV, 2 BT]
         Y2 = load_pair_cols(U, v, tok2, lo, i_h, H, V, cv, m_t2, m_v)
-        d_x += mm(S0, X2, PREC)
-        d_y += mm(dSC, Y2, PREC)
+        d_x += tl.dot(S0, X2, input_precision=PREC)
+        d_y += tl.dot(dSC, Y2, input_precision=PREC)
         d_gC += tl.sum(S0 * dSC, axis=1)
-        dA += mm(tl.trans(X2), Y2, PREC)
-        dvT = mm(X2, Ak2, PREC) + mm(tl.trans(dSC), k_endT, PREC)
+        dA += tl.dot(tl.trans(X2), Y2, input_precision=PREC)
+        dvT = tl.dot(X2, Ak2, input_precision=PREC) + tl.dot(tl.trans(dSC), k_endT, input_precision=PREC)
         store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
 
     # The r rows of dA carry the output's scale; pairs run t > s (levels) and t = s for r rows only (diagonal).
@@ -181,8 +188,8 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # the diagonal (decay 1): dr_t += dA_rb[t,t] b_t + dA_rk[t,t] k_t; db_t, dk_t += the same entries times r_t
     diag = lo[:, None] & (c2[:, None] == t2[None, :])
     Dg = tl.where(diag, dA, 0.)
-    d_x += mm(Y.to(tl.float32), tl.trans(Dg), PREC)
-    d_y += mm(X.to(tl.float32), Dg, PREC)
+    d_x += tl.dot(Y.to(tl.float32), tl.trans(Dg), input_precision=PREC)
+    d_y += tl.dot(X.to(tl.float32), Dg, input_precision=PREC)
     # Pairwise matrices back to their factors, level by level as in the forward:
     # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
@@ -191,8 +198,8 @@ def _bwd_chunk(r, w, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         e_c = decay_on(first, from_col)
         e_y = pair_cols(e_c, e_c, BK, BT)
         m_pair = tl.where(pair_mask(t2, t2, BT >> lvl), dA, 0.)
-        d_x += e_x * mm(Y.to(tl.float32) * e_y, tl.trans(m_pair), PREC)
-        d_y += e_y * mm(X.to(tl.float32) * e_x, m_pair, PREC)
+        d_x += e_x * tl.dot(Y.to(tl.float32) * e_y, tl.trans(m_pair), input_precision=PREC)
+        d_y += e_y * tl.dot(X.to(tl.float32) * e_x, m_pair, input_precision=PREC)
 
     # log-decay gradients: r rows read +g, a rows +ge, b and k columns -g, the chunk end +gC (on its last row, which
     # the reverse cumulative sum hands to every row)

@@ -20,38 +20,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# bwd.py imports these from here too
-from kernels.rwkv7.levels import level_split, level_sums
-from kernels.tl_utils import by_chunk, chunk_program, decay_on, diag_of, load_cols, load_rows, mm, spare_chunk, store_cols, store_rows  # noqa: F401
+from kernels.tl_utils import (by_chunk, chunk_program, decay_on, first_half, half_cumsum, load_cols, load_rows,
+                               pair_mask, second_half, sequence_span, spare_chunk, store_cols, store_rows)
 
 
 @triton.jit
-def load_w(w, tok, i_c, i_h, H: tl.constexpr, K: tl.constexpr, ck, m_k, m_t, rows, TT, BT: tl.constexpr,
-           W_FM: tl.constexpr):
-    """The chunk's log decays [BK, BT] (feature-major) from w [T, H, K], or with W_FM from its copy by chunks
-    (tl_utils.by_chunk). The copy's tokens are contiguous, so the tile loads with the tokens along a warp's lanes and the
-    cumulative sums over the chunk stay within a warp; from [T, H, K] they span the 4 warps and go through shared
-    memory (sm_90: _bwd_chunk 4472 -> 3616 instructions, 152 -> 40 spilled bytes; per scan step 1021 -> 947
-    instructions forward, 951 -> 703 backward)."""
-    if W_FM:
-        x = tl.load(w + by_chunk(i_c, i_h, K, ck, rows, TT, BT), mask=m_k[:, None], other=0.)
-    else:
-        x = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-    return x
+def load_w(wf, i_c, i_h, K: tl.constexpr, ck, m_k, rows, TT, BT: tl.constexpr):
+    """The chunk's log decays [BK, BT] from w's feature-major copy by chunks (tl_utils.by_chunk, stored by
+    _fwd_prep). Its tokens are contiguous, so the tile loads with the tokens along a warp's lanes and the cumulative
+    sums over the chunk stay within a warp; loaded from w [T, H, K] they would span the warps and go through shared
+    memory."""
+    return tl.load(wf + by_chunk(i_c, i_h, K, ck, rows, TT, BT), mask=m_k[:, None], other=0.)
 
 
 @triton.jit
-def chunk_decays(w):
-    """Inclusive g, exclusive ge (both <= 0, non-increasing down the rows) and the chunk total gC [BK]."""
-    g = tl.cumsum(w, axis=0)
-    return g, g - w, tl.sum(w, axis=0)
+def level_sums(w, rows, cols, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+    """One halving level of a token-major [BT, BK] chunk (blocks of BS rows; tl_utils' halving levels): the log
+    decays summed within half blocks, g_t - g_m and ge_t - g_m (for rows t of a second half) and g_m - g_s (for rows
+    s of a first half), m the last row of the first half; the half masks [BT, 1] and the pair mask [BT, BT]."""
+    to_row = half_cumsum(w, BT, BK, BS // 2)
+    from_col = half_cumsum(w, BT, BK, BS // 2, True) - w
+    return to_row, to_row - w, from_col, second_half(rows, BS)[:, None], first_half(rows, BS)[:, None], \
+        pair_mask(rows, cols, BS)
 
 
 @triton.jit
 def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SUMS: tl.constexpr,
-              STORE_WF: tl.constexpr):
+              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
     if spare_chunk(cu, chunk_index, BT):
         return
     i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
@@ -62,9 +58,9 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
     b_a = load_rows(a, tok, i_h, H, K, ck, m_t, m_k)
     b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
-    g, ge, gC = chunk_decays(b_w)
-    if STORE_WF:   # w feature-major by chunk for _bwd_chunk (load_w)
-        tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
+    ge = tl.cumsum(b_w, axis=0) - b_w   # exclusive cumulative log decays, for W = T (a e^{ge})
+    # w feature-major by chunk, for the scans and _bwd_chunk (load_w)
+    tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
 
     # Pairwise matrices A_xy[t, s] = sum_k x_tk y_sk exp(gx_tk - g_sk) by halving: at each level, a pair (t, s)
     # straddling the middle of its block factors through that middle row m as exp(gx_t - g_m) * exp(g_m - g_s),
@@ -75,22 +71,16 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
     A_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for lvl in tl.static_range(LEVELS):
-        if SUMS:
-            to_row, to_row_ex, from_col, second, first, pair = level_sums(b_w, rows, cb, BT, BK, BT >> lvl)
-            r_hat = b_r * decay_on(second, to_row)
-            a_hat = b_a * decay_on(second, to_row_ex)
-            e_col = decay_on(first, from_col)
-        else:
-            g_ref, second, first, pair = level_split(g, rows, cb, BT >> lvl)
-            r_hat = b_r * decay_on(second, g - g_ref)
-            a_hat = b_a * decay_on(second, ge - g_ref)
-            e_col = decay_on(first, g_ref - g)
+        to_row, to_row_ex, from_col, second, first, pair = level_sums(b_w, rows, cb, BT, BK, BT >> lvl)
+        r_hat = b_r * decay_on(second, to_row)
+        a_hat = b_a * decay_on(second, to_row_ex)
+        e_col = decay_on(first, from_col)
         b_hat = tl.trans(b_b * e_col)
         k_hat = tl.trans(b_k * e_col)
-        A_rb += tl.where(pair, mm(r_hat, b_hat, PREC), 0.)
-        A_rk += tl.where(pair, mm(r_hat, k_hat, PREC), 0.)
-        A_ab += tl.where(pair, mm(a_hat, b_hat, PREC), 0.)
-        A_ak += tl.where(pair, mm(a_hat, k_hat, PREC), 0.)
+        A_rb += tl.where(pair, tl.dot(r_hat, b_hat, input_precision=PREC), 0.)
+        A_rk += tl.where(pair, tl.dot(r_hat, k_hat, input_precision=PREC), 0.)
+        A_ab += tl.where(pair, tl.dot(a_hat, b_hat, input_precision=PREC), 0.)
+        A_ak += tl.where(pair, tl.dot(a_hat, k_hat, input_precision=PREC), 0.)
 
     # T = (I - A_ab)^{-1} = (I + A)(I + A^2)(I + A^4)... (A is nilpotent: A^BT = 0), exact fp32 products.
     T = tl.where(eye, 1., 0.) + A_ab
@@ -103,13 +93,13 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Aak, A_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
-    b_W = mm(T, b_a * tl.exp(ge), PREC)
+    b_W = tl.dot(T, b_a * tl.exp(ge), input_precision=PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_Uv = mm(T, mm(A_ak, b_v, PREC), PREC)
+        b_Uv = tl.dot(T, tl.dot(A_ak, b_v, input_precision=PREC), input_precision=PREC)
         store_rows(Uv, b_Uv, tok, i_h, H, V, cv, m_t, m_v)
 
 
@@ -121,22 +111,20 @@ def scan_span(cu, chunk_offsets, block_index, BT: tl.constexpr, L: tl.constexpr,
     if BLOCKED:
         i_n = tl.load(block_index + 2 * tl.program_id(0))
         first = tl.load(block_index + 2 * tl.program_id(0) + 1) * L
+        bos, eos, chunks, c0 = sequence_span(cu, chunk_offsets, i_n, BT)
+        count = tl.minimum(chunks - first, L)
     else:
         i_n = tl.program_id(0)
         first = 0
-    bos = tl.load(cu + i_n)
-    eos = tl.load(cu + i_n + 1)
-    count = tl.cdiv(eos - bos, BT) - first
-    if BLOCKED:
-        count = tl.minimum(count, L)
-    return i_n, bos, eos, first, count, tl.load(chunk_offsets + i_n)
+        bos, eos, count, c0 = sequence_span(cu, chunk_offsets, i_n, BT)
+    return i_n, bos, eos, first, count, c0
 
 
 @triton.jit
-def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0, o, h, U, ht, Sb, Mb,
+def _fwd_scan(r, wf, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0, o, h, U, ht, Sb, Mb,
               scale, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
-              HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr, W_FM: tl.constexpr):
+              HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """The state recursion over chunks in order, in one of three roles:
       sequence   (BLOCKED=False, OUT): from h0 through all chunks of a sequence, storing each chunk's entering
                  state h, U and the output; the final state to ht.
@@ -176,7 +164,7 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
     elif HAS_H0:
         S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, mask=m_kv, other=0.).to(tl.float32)
     # Uv is only added to a product's result, so the compiler does not prefetch it as it does the products'
-    # operands (ncu, B=8 T=4096: 18 % of the scan's stalls waited on this load): loaded a chunk ahead by hand
+    # operands: loaded a chunk ahead by hand, it leaves the step's critical path
     tok = bos + first * BT + rows
     Uv_next = load_cols(Uv, tok, i_h, H, V, cv, tok < eos, m_v)
     for i in range(count):
@@ -185,29 +173,29 @@ def _fwd_scan(r, w, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h0
         m_t = tok < eos
         UvT = Uv_next
         Uv_next = load_cols(Uv, tok + BT, i_h, H, V, cv, tok + BT < eos, m_v)
-        wT = load_w(w, tok, c0 + i_t, i_h, H, K, ck, m_k, m_t, rows, TT, BT, W_FM)
+        wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
         to_endT = tl.exp(gC[:, None] - gT)
         b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
         St = tl.trans(S)
-        UT = mm(St, WT, PREC)
+        UT = tl.dot(St, WT, input_precision=PREC)
         S_next = tl.exp(gC)[:, None] * S
         UT += UvT   # Uv and v load as zeros in M's columns (block maps): M takes no value terms
         vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
         k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
-        S_next += mm(k_endT, tl.trans(vT), PREC)
+        S_next += tl.dot(k_endT, tl.trans(vT), input_precision=PREC)
         if OUT:
             r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
             A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
             A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
             tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
             store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
-            oT = mm(St, r_decT, PREC) + mm(UT, tl.trans(A_rb), PREC) \
-                + mm(vT, tl.trans(A_rk), PREC)
+            oT = tl.dot(St, r_decT, input_precision=PREC) + tl.dot(UT, tl.trans(A_rb), input_precision=PREC) \
+                + tl.dot(vT, tl.trans(A_rk), input_precision=PREC)
             store_cols(o, oT * scale, tok, i_h, H, V, cv, m_t, m_v)
-        S = S_next + mm(b_endT, tl.trans(UT), PREC)
+        S = S_next + tl.dot(b_endT, tl.trans(UT), input_precision=PREC)
     if BLOCKED:
         if not OUT:
             tl.store(Sb + block_base + s_off, S, mask=m_kv)
@@ -255,6 +243,6 @@ def _block_scan(cu, block_offsets, Mb, Nb, s0, Sb, s_end, H: tl.constexpr, K: tl
                          mask=m_kv & (ck[:, None] * 0 + j + 1 < nb), other=0.)
         tl.store(Sb + base * K * V + s_off, S, mask=m_kv)
         M = tl.load(Mb + base * K * K + m_off, mask=m_kk, other=0.)
-        S = mm(M, S, PREC) + N
+        S = tl.dot(M, S, input_precision=PREC) + N
     if STORE_END:
         tl.store(s_end + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)

@@ -1,0 +1,219 @@
+"""RWKV-7 (generalized delta rule, diagonal-plus-rank-one transition), chunked: the public call, its settings, the
+launches and the autograd Function (math and design in README.md; the Triton kernels in fwd.py and bwd.py).
+
+    o, final_state = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                                 cu_seqlens=None, backend=None, settings=None)
+
+r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; w is the log decay (<= 0; computed and used in fp32). Initial and final
+states [N, H, K, V] fp32. cu_seqlens [N+1] packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU
+tensors to the PyTorch chunked path; backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU
+tensors under TRITON_INTERPRET=1, the sm_90 compile records its launches on meta tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.launch import launch
+from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
+from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tiles, warps and the shape-chosen scan regime of the Triton kernel. Fixed values instead of autotuning: a
+    first call compiles each kernel once (scripts/bench_kernels.py --set rwkv7.field=value times others)."""
+
+    chunk: int = 16
+    """Tokens per chunk: a chunk's pairwise matrices, T and its level decays then fit in registers."""
+    prec: str = "tf32"
+    """Operand precision of every fp32 product ("tf32" or "ieee"): tf32 is enough for bf16 models; the interpreter
+    computes exact fp32 whatever this says."""
+    chunk_bv: int = 64
+    """V tile of the per-chunk kernels (_fwd_prep, _bwd_chunk): all of V at once for V <= 64."""
+    scan_bv: int | None = None
+    """V tile of the sequence scans and of the blocked scan's sequential part; None: kernels.utils.scan_tile, the
+    widest tile that still gives about one program per SM."""
+    scan_warps: int = 4
+    """Warps of the scans (sequence scans, block fills, the blocked scan's sequential part)."""
+    prep_warps: int = 4
+    """Warps of _fwd_prep."""
+    bwd_warps: int = 4
+    """Warps of _bwd_chunk."""
+    prep_maxnreg: int | None = 168
+    """Register cap of _fwd_prep (None: ptxas decides, 192): 168 fits 3 blocks per SM for a few spilled bytes."""
+    blocked_scan: bool | None = None
+    """Blocked scans (the chunk steps of a block in parallel, one product per block in order) instead of sequence
+    scans; None: blocked where the sequence scans would take narrow V tiles (few long sequences leave SMs idle)."""
+    block_chunks: int = 32
+    """Chunks per block of the blocked scans: longer blocks leave a shorter sequential part."""
+    block_bv: int = 64
+    """V tile of the blocked scans' per-block programs (the fills, and the backward's block map)."""
+    block_map_bv: int = 128
+    """Column tile of the forward's block maps [M | N] ([K, K + V]): 128 is one program per block and head at
+    K = V = 64."""
+    block_map_warps: int = 4
+    """Warps of the forward's block maps."""
+
+    def scan_tile(self, V: int, sequences_x_heads: int) -> int:
+        return self.scan_bv or scan_tile(V, sequences_x_heads)
+
+    def blocked(self, sequences: int, H: int, V: int) -> bool:
+        """Whether the scans run blocked for this shape."""
+        if self.blocked_scan is not None:
+            return self.blocked_scan
+        return self.scan_tile(V, sequences * H) < min(64, max(16, next_pow2(V)))
+
+
+def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
+    from kernels.rwkv7.fwd import _block_scan, _fwd_prep, _fwd_scan
+
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = s.chunk, max(16, next_pow2(K))
+    chunk_offsets, chunk_index, NT = tables
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    W = torch.empty(1, T, H, K, **f32)
+    Uv = torch.empty(1, T, H, V, **f32)
+    Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
+    # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
+    TT = NT * BT
+    wf = torch.empty(H, K, TT, **f32)
+    launch(_fwd_prep, (NT, H), r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
+           H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))), LEVELS=BT.bit_length() - 1,
+           PREC=s.prec, num_warps=s.prep_warps, maxnreg=s.prep_maxnreg)
+    h = torch.empty(NT, H, K, V, **f32)
+    U = torch.empty(1, T, H, V, **f32)
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, **f32) if want_ht else None
+    BV = s.scan_tile(V, N * H)
+    scan = dict(H=H, K=K, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
+    tensors = (r, wf, k, v, b, cu, chunk_offsets)
+    per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
+    if blocks is None:
+        launch(_fwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, *per_chunk, None, None, scale, TT, V=V, BV=BV,
+               BLOCKED=False, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht, num_warps=s.scan_warps, **scan)
+        return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
+    block_offsets, block_index, NB = blocks
+    # per block, all at once: the block's map S_end = M S_start + N (M: the identity's columns carried through),
+    # both as one [K, K + V] state
+    Mb = torch.empty(NB, H, K, K, **f32)
+    Nb = torch.empty(NB, H, K, V, **f32)
+    BVb, BVm = min(s.block_bv, max(16, next_pow2(V))), min(s.block_map_bv, next_pow2(K + V))
+    launch(_fwd_scan, (NB, H, triton.cdiv(K + V, BVm)), *tensors, block_index, *per_chunk, Nb, Mb, scale, TT, V=V,
+           BV=BVm, BLOCKED=True, OUT=False, HAS_H0=False, STORE_HT=False, num_warps=s.block_map_warps, **scan)
+    # in order, one product per block: the state entering every block (and the final state)
+    hb = torch.empty(NB, H, K, V, **f32)
+    launch(_block_scan, (N, H, triton.cdiv(V, BV)), cu, block_offsets, Mb, Nb, h0, hb, ht, H=H, K=K, V=V,
+           BL=BT * s.block_chunks, BK=BK, BV=BV, REVERSE=False, HAS_S0=h0 is not None, STORE_END=want_ht,
+           PREC=s.prec, num_warps=s.scan_warps)
+    # per block again: the chunk states, U and the output from the block's entering state
+    launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), *tensors, block_index, *per_chunk, hb, None, scale, TT, V=V,
+           BV=BVb, BLOCKED=True, OUT=True, HAS_H0=False, STORE_HT=False, num_warps=s.scan_warps, **scan)
+    return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
+
+
+def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Settings):
+    from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
+    from kernels.rwkv7.fwd import _block_scan
+
+    h, U, Arb, Ark, Aak, Tinv, wf, Mb = saved
+    chunk_offsets, chunk_index, NT = tables
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = s.chunk, max(16, next_pow2(K))
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    dh = torch.empty(NT, H, K, V, **f32)
+    dZ = torch.empty(1, T, H, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    BV = s.scan_tile(V, N * H)
+    TT = NT * BT
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
+    tensors = (r, wf, a, b, do, cu, chunk_offsets)
+    if blocks is None:
+        launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
+               BV=BV, BLOCKED=False, OUT=True, HAS_DHT=dht is not None, STORE_DH0=h0 is not None,
+               num_warps=s.scan_warps, **scan)
+    else:
+        block_offsets, block_index, NB = blocks
+        BVb = min(s.block_bv, max(16, next_pow2(V)))
+        grid = (NB, H, triton.cdiv(V, BVb))
+        # per block: R in dS_start = M^T dS_end + R; in reverse order: dS at every block's end; per block: the rest
+        Rb = torch.empty(NB, H, K, V, **f32)
+        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, dh, dZ, None, Rb, scale, TT, BV=BVb,
+               BLOCKED=True, OUT=False, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps, **scan)
+        dhb = torch.empty(NB, H, K, V, **f32)
+        launch(_block_scan, (N, H, triton.cdiv(V, BV)), cu, block_offsets, Mb, Rb, dht, dhb, dh0, H=H, K=K, V=V,
+               BL=BT * s.block_chunks, BK=BK, BV=BV, REVERSE=True, HAS_S0=dht is not None, STORE_END=h0 is not None,
+               PREC=s.prec, num_warps=s.scan_warps)
+        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, dh, dZ, None, dhb, scale, TT, BV=BVb,
+               BLOCKED=True, OUT=True, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps, **scan)
+    dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
+    dw = torch.empty_like(w)
+    dv = torch.empty_like(v)
+    launch(_bwd_chunk, (NT, H), r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+           dr, dw, dk, dv, da, db, scale, TT, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
+           LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.bwd_warps)
+    return dr, dw, dk, dv, da, db, dh0
+
+
+class _ChunkRWKV7(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, settings):
+        o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, settings)
+        ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved)
+        ctx.scale, ctx.tables, ctx.blocks, ctx.settings = scale, tables, blocks, settings
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
+        dr, dw, dk, dv, da, db, dh0 = _bwd(r, w, k, v, a, b, ctx.scale, h0, cu, saved, ctx.tables, ctx.blocks,
+                                           do.contiguous(), None if dht is None else dht.contiguous(), ctx.settings)
+        return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None, None
+
+
+# Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
+# tracing into the kernel launches.
+@torch.compiler.disable
+def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, s: Settings):
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+    cu = as_varlen(B, T, cu_seqlens, r.device)
+    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    # The decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels).
+    r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
+    w_ = flat(w.float())
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    seq_len = T if cu_seqlens is None else None
+    tables = chunk_tables(cu, s.chunk, B * T, seq_len)
+    blocks = chunk_tables(cu, s.chunk * s.block_chunks, B * T, seq_len) if s.blocked(cu.numel() - 1, H, V) else None
+    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu, tables,
+                              blocks, s)
+    return o.reshape(B, T, H, V), ht
+
+
+def chunk_rwkv7(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
+                cu_seqlens=None, backend: str | None = None, settings: Settings | None = None):
+    """RWKV-7 over packed or batched sequences: returns (o [B, T, H, V] in v's dtype, final state or None).
+    `settings` tunes the Triton kernel (None: Settings())."""
+    if backend is None:
+        backend = "triton" if r.is_cuda and triton is not None else "torch"
+    if backend == "torch":
+        return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+    if backend != "triton":
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    return _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                               settings or Settings())
+
+
+try:
+    import triton
+except ImportError:  # the torch path needs no Triton
+    triton = None
