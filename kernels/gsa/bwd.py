@@ -7,10 +7,11 @@ Chunk-start states are recomputed by the forward's _state_scan (between the pass
   _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32) of both
               states in one launch: (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the
               initial-state gradients.
-  _bwd_pairs  (per chunk and head; PAIRS_KERNEL, on a second stream beside the reverse scan): what needs the
-              pairwise decays within the chunk apart from the states and A2 (kept by _fwd_out): the pair matrix dA1
-              and ds's part within the chunk.
-  _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk).
+  _bwd_pairs  (per chunk and head, on a second stream beside the reverse scan): what needs the pairwise decays
+              within the chunk apart from the states and A2 (kept by _fwd_out): the pair matrix dA1 and ds's part
+              within the chunk.
+  _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk); it
+              forms no pairwise decay, only streams the states and the features.
 """
 
 from __future__ import annotations
@@ -18,25 +19,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gsa.fwd import (diag_of, gated_sum, gated_sum_t, level, load_gates, load_gates_by_chunk, load_rows,
-                             load_state, pair_matrix, slot_program, spare_chunk, store_rows, store_split)
+from kernels.gsa.fwd import gated_sum, level, load_gates, load_gates_by_chunk, store_split
+from kernels.tl_utils import chunk_program, diag_of, load_rows, load_state, spare_chunk, store_rows
 
 
 @triton.jit
 def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, d2_out, scale, TT,
             H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
-            G_SM: tl.constexpr, STORE_D2: tl.constexpr):
-    """STORE_D2 (PAIRS_KERNEL): also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for _bwd_pairs."""
+            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """g slot-major (load_gates_by_chunk). Also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for
+    _bwd_pairs, and the reverse scans' weights p e^{G} and dZr e^{G} (split in bf16 halves with SPLIT)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    if G_SM:   # g is the slot-major copy
-        b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
-    else:
-        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     eG = tl.exp(tl.cumsum(b_g, axis=0))
     hbase = (i_c * H + i_h).to(tl.int64) * M
     # the forward's softmax p and slot logits Zr (kept by _fwd_out: recomputing them costs Hk, q and k here)
@@ -51,32 +49,31 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         D2 += tl.dot(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), input_precision=PREC)
         dPH += tl.dot(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), input_precision=PREC)
-    if STORE_D2:
-        store_rows(d2_out, D2, tok, i_h, H, BT, cols, m_t, cols < BT)
+    store_rows(d2_out, D2, tok, i_h, H, BT, cols, m_t, cols < BT)
     dP = eG * dPH + gated_sum(D2, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
     dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
     # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
     store_rows(dz_out, dZr, tok, i_h, H, M, cm, m_t, m_m)
-    if FEED:   # the reverse scans' inputs with their decay e^{G} applied (FEED_SCAN), split in bf16 halves (SPLIT)
-        if SPLIT:
-            store_split(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
-            store_split(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
-        else:
-            store_rows(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
-            store_rows(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
+    if SPLIT:   # the reverse scans' inputs with their decay e^{G} applied
+        store_split(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
+        store_split(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
+    else:
+        store_rows(pe_out, P * eG, tok, i_h, H, M, cm, m_t, m_m)
+        store_rows(dze_out, dZr * eG, tok, i_h, H, M, cm, m_t, m_m)
 
 
 @triton.jit
 def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
                H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
                PREC: tl.constexpr):
-    """(PAIRS_KERNEL) Everything of the backward that needs the pairwise decays within a chunk, apart from the
-    states: the pair matrix dA1 (dZr against s) and ds's part within the chunk, gated_sum_t(A1, dZr) +
-    gated_sum_t(D2, P) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by _bwd_dz)."""
+    """Everything of the backward that needs the pairwise decays within a chunk, apart from the states: the pair
+    matrix dA1 (dZr against s) and ds's part within the chunk,
+    sum_{t>=s} e^{G_t - G_s} (A1[t, s] dZr_t + D2[t, s] P_t) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by
+    _bwd_dz). g token-major: on the slot-major copy this kernel spills."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     m_c = cols < BT
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
@@ -99,39 +96,27 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
 
 
 @triton.jit
-def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in, dq, dk, dv, ds, dg,
-               dsi, a2, da1, TT,
+def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, dk, dv, ds, dg, dsi, a2, da1, TT,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-               PAIRS: tl.constexpr, G_SM: tl.constexpr):
-    """PAIRS: A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs, and this kernel forms no
-    pairwise decay (G_SM: g is the slot-major copy); otherwise it forms them itself."""
+               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    """A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs: this kernel forms no pairwise
+    decay. g slot-major (load_gates_by_chunk)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    if G_SM:
-        b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
-    else:
-        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     GC = tl.sum(b_g, axis=0)
     e_end = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))   # e^{sum_{j>t} g_j}: decay to the chunk end
     eG = tl.exp(tl.cumsum(b_g, axis=0))                      # e^{G_t}: decay from the chunk start
     s_end = b_s * e_end
     dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
-    if PAIRS:
-        A2 = load_rows(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
-        dA1 = load_rows(da1, tok, i_h, H, BT, cols, m_t, cols < BT)
-    else:
-        P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
-        A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
-        # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
-        dA1 = pair_matrix(dZr, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    A2 = load_rows(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
+    # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
+    dA1 = load_rows(da1, tok, i_h, H, BT, cols, m_t, cols < BT)
     dZe = dZr * eG
     hbase = (i_c * H + i_h).to(tl.int64) * M
-    A1 = tl.zeros([BT, BT], dtype=tl.float32)
-    D2 = tl.zeros([BT, BT], dtype=tl.float32)
     dS_end = tl.zeros([BT, BM], dtype=tl.float32)   # ds through the chunk-end states, before e^{G_C - G}
     dGC = tl.zeros([BM], dtype=tl.float32)           # through e^{G_C} on the chunk-start states
     for i_k in range(tl.cdiv(K, BK)):
@@ -141,8 +126,6 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         b_h = load_state(hk, hbase * K, cm, ck, K, m_m, m_k)
         b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
-        if not PAIRS:
-            A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
         b_dq = tl.dot(dZe, b_h, input_precision=PREC) + tl.dot(dA1, b_k, input_precision=PREC)
@@ -155,18 +138,12 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, p_in, dz_in
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
         b_dh = load_state(dhv, hbase * V, cm, cv, V, m_m, m_v)
-        if not PAIRS:
-            D2 += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
         dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(load_state(hv, hbase * V, cm, cv, V, m_m, m_v) * b_dh, axis=1)
         b_dv = tl.dot(tl.trans(A2), b_do, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end
-    if PAIRS:
-        b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)
-    else:
-        b_ds = dS_end + gated_sum_t(A1, dZr, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC) \
-            + gated_sum_t(D2, P, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)
     # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row
     dGC = dGC * tl.exp(GC) + tl.sum(b_s * dS_end, axis=0)
     dG = load_rows(dg, tok, i_h, H, M, cm, m_t, m_m) - b_s * b_ds \

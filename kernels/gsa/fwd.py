@@ -1,16 +1,18 @@
 """Triton forward of chunked GSA (math and notation in README.md), and the pieces the backward shares.
 
-Launches (after _gate_factors, FEED_SCAN's per-chunk decays):
-  _state_scan  (per sequence, head and D tile of either state, chunks in order): H <- diag(e^{G_C}) H +
-               (s e^{G_C - G})^T X for X = k (the key state, kept as Hk^T, M x K) and X = v (the value state, M x V),
-               both in one launch; it stores the state at the start of every chunk. With REVERSE it runs the
-               backward's state-gradient recursion instead.
-  _fwd_out     (per chunk and head, all chunks at once): slot logits, the softmax over slots (both kept for the
-               backward), the output.
-With OUT_SCAN (many sequence-heads) the forward stores no chunk state instead:
-  _state_scan  the key state alone (D2 = 0), each D tile storing its part of q Hk^T (LOGITS) instead of the state;
-  _fwd_out     PASS 1 (logits from those parts, softmax), PASS 4 (A2 and p e^{G});
-  _out_scan    the value state, forming each chunk's output from the state it holds instead of storing it.
+Launches (kernels/gsa/chunk.py), after _gate_factors (per chunk: the scans' decayed slot writes, e^{G_C}, g
+slot-major):
+  stored states (few sequence-heads)
+    _state_scan  (per sequence, head and D tile of either state, chunks in order): H <- diag(e^{G_C}) H +
+                 (s e^{G_C - G})^T X for X = k (the key state, kept as Hk^T, M x K) and X = v (the value state,
+                 M x V), both in one launch; it stores the state at the start of every chunk. With REVERSE it runs
+                 the backward's state-gradient recursion instead.
+    _fwd_out     (per chunk and head, all chunks at once) PASS "softmax": slot logits and the softmax (both kept for
+                 the backward); PASS "output": the output from the stored p and states.
+  stateless (many sequence-heads: the forward stores no chunk state)
+    _state_scan  the key state alone (D2 = 0), each D tile storing its part of q Hk^T instead of the state;
+    _fwd_out     PASS "softmax" (logits from those parts), PASS "decayed" (A2 and p e^{G});
+    _out_scan    the value state, forming each chunk's output from the state it holds instead of storing it.
 Every exp() argument is a sum of log gates (<= 0), never a difference of two cumulative sums: e^{G_t},
 e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums. Masked
 entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed sequences [1, T_total, H, *];
@@ -22,28 +24,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# bwd.py imports these from here too
-from kernels.tl_utils import (by_chunk, chunk_bounds, decay_on, diag_of, load_rows, load_rows_raw,  # noqa: F401
-                              spare_chunk, store_rows)
-
-
-@triton.jit
-def slot_program(cu, chunk_index, BT: tl.constexpr, BM: tl.constexpr, M: tl.constexpr):
-    """The prologue of a per-chunk program (grid: chunks x heads) on [BT, BM] tiles: its chunk and head, the end of
-    its sequence, row offsets and token indices with their mask (rows past the end are padding), slot offsets and
-    their mask."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    rows = tl.arange(0, BT)
-    tok = t0 + rows
-    cm = tl.arange(0, BM)
-    return i_c, i_h, eos, rows, tok, tok < eos, cm, cm < M
-
-
-@triton.jit
-def load_state(ptr, base, cm, cd, D: tl.constexpr, m_m, m_d):
-    """[BM, BD] tile of an fp32 [M, D] state at element offset `base` (always M rows, whatever D and BD are)."""
-    return tl.load(ptr + base + cm[:, None] * D + cd[None, :], mask=m_m[:, None] & m_d[None, :], other=0.)
+from kernels.tl_utils import (by_chunk, chunk_program, decay_on, diag_of, first_half, half_cumsum, load_rows,
+                              load_rows_raw, load_state, pair_mask, second_half, sequence_span, spare_chunk,
+                              store_rows)
 
 
 @triton.jit
@@ -92,22 +75,20 @@ def load_gates_by_chunk(gf, i_c, i_h, M: tl.constexpr, cm, m_m, rows, TT, BT: tl
 
 @triton.jit
 def level(b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
-    """One level of the pairwise decomposition: blocks of BS rows, pairs (t in a block's second half, s in its first
-    half) factor through the block's middle as e^{sum_{r<j<=t} g_j} e^{sum_{s<j<=r} g_j} (r: the first half's last
-    row). Both exponents are sums of gates <= 0, summed within BS/2-row segments. Returns the row factor, the column
-    factor and the pair mask."""
+    """One level of the pairwise decomposition (tl_utils): blocks of BS rows, pairs (t in a block's second half, s
+    in its first half) factor through the block's middle as e^{sum_{r<j<=t} g_j} e^{sum_{s<j<=r} g_j} (r: the first
+    half's last row). Both exponents are sums of gates <= 0, summed within BS/2-row segments. Returns the row
+    factor, the column factor and the pair mask."""
     HALF: tl.constexpr = BS // 2
     if HALF == 1:   # pairs of neighbours: the row factor is e^{g_t}, the column factor 1
         inc = b_g
         rev = tl.zeros([BT, BM], dtype=tl.float32)
     else:
-        inc = tl.reshape(tl.cumsum(tl.reshape(b_g, [BT // HALF, HALF, BM]), axis=1), [BT, BM])
-        gn = tl.where((rows % HALF != HALF - 1)[:, None], b_gn, 0.)
-        rev = tl.reshape(tl.cumsum(tl.reshape(gn, [BT // HALF, HALF, BM]), axis=1, reverse=True), [BT, BM])
-    second = ((rows % BS) >= HALF)[:, None]
-    first = ((rows % BS) < HALF)[:, None]
-    pair = ((rows[:, None] // BS) == (cols[None, :] // BS)) & ((rows[:, None] % BS) >= HALF) \
-        & ((cols[None, :] % BS) < HALF)
+        inc = half_cumsum(b_g, BT, BM, HALF)
+        rev = half_cumsum(tl.where((rows % HALF != HALF - 1)[:, None], b_gn, 0.), BT, BM, HALF, REVERSE=True)
+    second = second_half(rows, BS)[:, None]
+    first = first_half(rows, BS)[:, None]
+    pair = pair_mask(rows, cols, BS)
     return decay_on(second, inc), decay_on(first, rev), pair
 
 
@@ -119,17 +100,6 @@ def gated_sum(A, X, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, L
     for lvl in tl.static_range(LEVELS):
         e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
         Y += e_row * tl.dot(tl.where(pair, A, 0.), X * e_col, input_precision=PREC)
-    return Y
-
-
-@triton.jit
-def gated_sum_t(A, R, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
-                PREC: tl.constexpr):
-    """Y[s, m] = sum_{t>=s} A[t, s] e^{G[t,m] - G[s,m]} R[t, m] (the transpose of gated_sum)."""
-    Y = diag_of(A, rows, cols)[:, None] * R
-    for lvl in tl.static_range(LEVELS):
-        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
-        Y += e_col * tl.dot(tl.trans(tl.where(pair, A, 0.)), R * e_row, input_precision=PREC)
     return Y
 
 
@@ -149,8 +119,8 @@ def slot_logits(q, k, hk, hbase, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, c
                 H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                 BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, zp=None, NZP: tl.constexpr = 0):
     """Unscaled slot logits Zr = q Hk_t of a chunk ([BT, BM]) and A1 = q k^T: the chunk-start state Hk^T (M x K)
-    decayed to each row plus the chunk's own writes. NZP > 0: q Hk^T comes as the key scan's NZP parts in zp
-    (scan_tile's LOGITS) instead of from the state."""
+    decayed to each row plus the chunk's own writes. NZP > 0 (stateless forward): q Hk^T comes as the key scan's
+    NZP parts in zp (scan_tile's LOGITS) instead of from the state."""
     A1 = tl.zeros([BT, BT], dtype=tl.float32)
     QH = tl.zeros([BT, BM], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -183,28 +153,25 @@ def chunk_decay(egc, c, i_h, H: tl.constexpr, M: tl.constexpr, cm, mask):
 
 
 @triton.jit
-def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
+def scan_tile(w, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-              PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
-              EGC_EARLY: tl.constexpr, pe=None, a2=None, o=None, OUT: tl.constexpr = False, q=None, zp=None,
-              LOGITS: tl.constexpr = False):
-    """One [BM, BD] tile of one state, all of a sequence's chunks in order.
-    Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + (w e^{G_C - G})^T x    (w = s).
-    REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + (w e^{G})^T x        (chunks last to
-              first; w = scale dZ with x = q, or w = p with x = do).
-    FEED:     w comes with its decay already applied (fp32) and e^{G_C} per chunk from `egc`: the sequential
-              loop forms no cumulative sum and no exp (g is not read).
-    SPLIT:    (with FEED, x bf16) w comes split in bf16 halves (store_split): the step's product is two bf16
-              products of operands straight from shared memory.
-    OUT:      (forward, FEED, the value state) instead of storing H, forms the chunk's output tile from it,
-              o = (p e^{G}) H + A2 x, and stores that: `pe` and `a2` come from _fwd_out's PASS 3 or 4.
-    LOGITS:   (forward, FEED, the key state Hk^T alone) instead of storing H, forms this tile's part of the slot
-              logits' inter-chunk term, q_tile H^T ([BT, BM]), and stores it at slots [i_d M, (i_d + 1) M) of the
-              rows of zp ([T, H, tiles x M]); _fwd_out sums the tiles' parts."""
-    bos = tl.load(cu + i_n)
-    eos = tl.load(cu + i_n + 1)
-    c0 = tl.load(chunk_offsets + i_n)
+              PREC: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr, pe=None, a2=None, o=None,
+              OUT: tl.constexpr = False, q=None, zp=None, LOGITS: tl.constexpr = False):
+    """One [BM, BD] tile of one state, all of a sequence's chunks in order. The weights w come with their decays
+    applied (fp32, from _gate_factors or _bwd_dz) and e^{G_C} per chunk from `egc`, so that the sequential loop
+    forms no cumulative sum and no exp.
+    Forward:  stores H at each chunk start, then H <- diag(e^{G_C}) H + w^T x           (w = s e^{G_C - G}).
+    REVERSE:  stores dH at each chunk end,  then dH <- diag(e^{G_C}) dH + w^T x         (chunks last to first;
+              w = scale dZ e^{G} with x = q, or w = p e^{G} with x = do).
+    SPLIT:    (x bf16) w comes split in bf16 halves (store_split): the step's product is two bf16 products of
+              operands straight from shared memory; fp32 x takes one tf32 product.
+    OUT:      (forward, the value state) instead of storing H, forms the chunk's output tile from it,
+              o = (p e^{G}) H + A2 x, and stores that: `pe` and `a2` come from _fwd_out's PASS "decayed".
+    LOGITS:   (forward, the key state Hk^T alone) instead of storing H, forms this tile's part of the slot logits'
+              inter-chunk term, q_tile H^T ([BT, BM]), and stores it at slots [i_d M, (i_d + 1) M) of the rows of
+              zp ([T, H, tiles x M]); _fwd_out sums the tiles' parts."""
+    bos, eos, nt, c0 = sequence_span(cu, chunk_offsets, i_n, BT)
     rows = tl.arange(0, BT)
     cm = tl.arange(0, BM)
     m_m = cm < M
@@ -215,15 +182,11 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
     S = tl.zeros([BM, BD], dtype=tl.float32)
     if HAS_H0:
         S = load_state(h0, (i_n * H + i_h).to(tl.int64) * M * D, cm, cd, D, m_m, m_d)
-    nt = tl.cdiv(eos - bos, BT)
     # e^{G_C} only scales the state, so the compiler does not prefetch it: loaded a chunk ahead by hand, into its
-    # register only after the value there was used (loaded while still in use, ptxas copied the register at the
-    # end of each step, which waited for the load: 57% of the scan's stall samples at B=2 T=16384). EGC_EARLY: and
-    # before the step's state store, which the compiler does not move a load across (the pointers might alias):
-    # issued after it, the load had only the step's products to land in, and the next step's first use of it took
-    # 34% of the scan's stall samples (B=8 T=4096, ncu).
-    if FEED:
-        e_GC = chunk_decay(egc, c0 + (nt - 1 if REVERSE else 0), i_h, H, M, cm, m_m & (cm * 0 < nt))
+    # register only after the value there was used (a load into a register still in use made ptxas copy it at the
+    # end of each step, waiting for the load), and before the step's state store, which the compiler does not move
+    # a load across (the pointers might alias)
+    e_GC = chunk_decay(egc, c0 + (nt - 1 if REVERSE else 0), i_h, H, M, cm, m_m & (cm * 0 < nt))
     for j in range(nt):
         if REVERSE:
             i_t = nt - 1 - j
@@ -233,18 +196,10 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             i_next = i_t + 1
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        if not FEED:
-            b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)   # padded rows: g = w = x = 0
-            e_GC = tl.exp(tl.sum(b_g, axis=0))
-            if REVERSE:
-                b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_g, axis=0))
-            else:
-                b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m) * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
-        elif not SPLIT:
+        if not SPLIT:
             b_w = load_rows(w, tok, i_h, H, M, cm, m_t, m_m)
         acc = e_GC[:, None] * S
-        if FEED and EGC_EARLY:
-            e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
+        e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
         if LOGITS:
             b_q = load_rows(q, tok, i_h, H, D, cd, m_t, m_d)
             store_rows(zp + i_d * M, tl.dot(b_q, tl.trans(S), input_precision=PREC), tok, i_h, H,
@@ -261,18 +216,16 @@ def scan_tile(w, g, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             S = split_dot(w, b_x, tok, i_h, H, M, cm, m_t, m_m, acc, EXACT)
         else:
             S = acc + tl.dot(tl.trans(b_w), b_x.to(tl.float32), input_precision=PREC)
-        if FEED and not EGC_EARLY:
-            e_GC = chunk_decay(egc, c0 + i_next, i_h, H, M, cm, m_m & (cm * 0 + j + 1 < nt))
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
 
 
 @triton.jit
-def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_offsets, q, zp,
+def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, egc, cu, chunk_offsets, q, zp,
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                STORE_HT: tl.constexpr, PREC: tl.constexpr, FEED: tl.constexpr, SPLIT: tl.constexpr,
-                EXACT: tl.constexpr, EGC_EARLY: tl.constexpr, LOGITS: tl.constexpr):
+                STORE_HT: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
+                LOGITS: tl.constexpr):
     """Both states of GSA in one launch (they share the gates): the third grid axis runs over the D tiles of the
     first state, then of the second. Each scan is a chain of dependent steps, too few programs to fill the GPU
     alone; launched together the two run side by side instead of one after the other. D2 = 0: the first only
@@ -280,39 +233,37 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, g, egc, cu, chunk_
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
-        scan_tile(w1, g, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
-                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY,
-                  q=q, zp=zp, LOGITS=LOGITS)
+        scan_tile(w1, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
+                  H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, SPLIT, EXACT, q=q, zp=zp, LOGITS=LOGITS)
     elif D2 > 0:
-        scan_tile(w2, g, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
-                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, FEED, SPLIT, EXACT, EGC_EARLY)
+        scan_tile(w2, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
+                  H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, SPLIT, EXACT)
 
 
 @triton.jit
 def _out_scan(w, x, h0, ht, egc, cu, chunk_offsets, pe, a2, o,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
-              SPLIT: tl.constexpr, EXACT: tl.constexpr, EGC_EARLY: tl.constexpr):
-    """(OUT_SCAN) The forward's value-state scan, which forms the output from each chunk-start state instead of
-    storing the state (scan_tile's OUT): it runs after the key-state scan and _fwd_out's PASS 3 or 4 (p e^{G},
+              SPLIT: tl.constexpr, EXACT: tl.constexpr):
+    """(stateless forward) The value-state scan, which forms the output from each chunk-start state instead of
+    storing the state (scan_tile's OUT): it runs after the key-state scan and _fwd_out's PASS "decayed" (p e^{G},
     A2)."""
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    scan_tile(w, None, egc, x, cu, chunk_offsets, h0, None, ht, i_n, i_h, i_d, H, M, D, BT, BM, BD, False, HAS_H0,
-              STORE_HT, PREC, True, SPLIT, EXACT, EGC_EARLY, pe, a2, o, True)
+    scan_tile(w, egc, x, cu, chunk_offsets, h0, None, ht, i_n, i_h, i_d, H, M, D, BT, BM, BD, False, HAS_H0,
+              STORE_HT, PREC, SPLIT, EXACT, pe, a2, o, True)
 
 
 @triton.jit
 def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
-                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
-                  STORE_GF: tl.constexpr):
-    """Per chunk (FEED_SCAN): the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j}, and
-    e^{G_C}, so that the scans' sequential loops only load them; with STORE_GF also g slot-major (tl_utils.by_chunk)."""
+                  H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
+    """Per chunk: the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j} (split in bf16
+    halves with SPLIT), and e^{G_C}, so that the scans' sequential loops only load them; and g slot-major
+    (tl_utils.by_chunk) for the per-chunk kernels."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
-    if STORE_GF:
-        tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
+    tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
     b_sE = b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
     if SPLIT:
@@ -326,42 +277,37 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
 def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2_out, pe_out, zp, scale, TT,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-             PASS: tl.constexpr, G_SM: tl.constexpr, KEEP_A: tl.constexpr, NZP: tl.constexpr):
-    """PASS 0: both passes below; 1: the slot logits and the softmax only (p, Zr); 2: the output only, from p;
-    3: PASS 1, then A2 and p e^{G} (pe_out, fp32 [T, H, M]) for _out_scan (OUT_SCAN), which forms the output;
-    4: A2 and p e^{G} only, from p.
+             PASS: tl.constexpr, NZP: tl.constexpr):
+    """Per chunk, g slot-major (load_gates_by_chunk). Two launches, so that fewer registers are live in each:
+    PASS "softmax": the slot logits Zr, the softmax p and A1 = q k^T, kept for the backward;
+    PASS "output":  (stored states) A2 (p against s, kept for the backward) and the output, from p;
+    PASS "decayed": (stateless forward) A2 and p e^{G} (pe_out, fp32 [T, H, M]) from p, for _out_scan, which forms
+                    the output.
     NZP > 0: q Hk^T comes in NZP parts from the key scan (zp; scan_tile's LOGITS), hk is not read.
-    G_SM: g is the slot-major copy (load_gates_by_chunk). KEEP_A: also keep A1 = q k^T and A2 (p against s) for the
-    backward (PAIRS_KERNEL), each [T, H, BT]: row t of the chunk's tile."""
+    A1 and A2 are [T, H, BT]: row t of the chunk's tile."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
-    i_c, i_h, eos, rows, tok, m_t, cm, m_m = slot_program(cu, chunk_index, BT, BM, M)
+    i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    if G_SM:
-        b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
-    else:
-        b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     G = tl.cumsum(b_g, axis=0)
     hbase = (i_c * H + i_h).to(tl.int64) * M
-    if PASS == 2 or PASS == 4:
-        P = load_rows(p_out, tok, i_h, H, M, cm, m_t, m_m)
-    else:
+    if PASS == "softmax":
         Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
                              H, K, M, BT, BK, BM, LEVELS, PREC, zp, NZP)
         P = slot_softmax(scale * Zr, m_t, m_m)
         # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
         store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
         store_rows(z_out, Zr, tok, i_h, H, M, cm, m_t, m_m)
-        if KEEP_A:
-            store_rows(a1_out, A1, tok, i_h, H, BT, cols, m_t, cols < BT)
-    if PASS != 1:   # (not an early return: Triton would still build the code after it, here with hv None)
-        # second pass, a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
+        store_rows(a1_out, A1, tok, i_h, H, BT, cols, m_t, cols < BT)
+    else:
+        # a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
+        P = load_rows(p_out, tok, i_h, H, M, cm, m_t, m_m)
         A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
-        if KEEP_A or PASS >= 3:
-            store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
+        store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
         Pe = P * tl.exp(G)
-        if PASS >= 3:
+        if PASS == "decayed":
             store_rows(pe_out, Pe, tok, i_h, H, M, cm, m_t, m_m)
         else:
             for i_v in range(tl.cdiv(V, BV)):
