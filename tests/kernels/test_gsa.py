@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gsa import chunk_gsa, naive_gsa
+from kernels.gsa.chunk import Settings
 from kernels.gsa.torch_chunk import chunk_gsa_torch
-from tests.kernels import sm90
 
 CPU_TOL = 1e-5
 GPU_TOL = 5e-3
@@ -186,14 +186,11 @@ def test_triton_interpreter_one_final_state_in_the_loss(final_used, interp):
                  run(naive_gsa, xs, h0, 1.0, final_used=final_used), CPU_TOL, f"final states used: {final_used}")
 
 
-@pytest.mark.parametrize("feed", [False, True])
-def test_triton_interpreter_varlen_computes_no_invalid_value(feed, monkeypatch, interp):
+def test_triton_interpreter_varlen_computes_no_invalid_value(interp):
     # A packed batch launches an upper bound of chunks (kernels.utils.chunk_tables); the spare programs return at
     # once instead of computing on unwritten state memory: no overflow or NaN anywhere, masked or not.
     import numpy as np
 
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "FEED_SCAN", feed)
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
     xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, 32, n_seq=len(lens), seed=12)
@@ -223,13 +220,11 @@ def test_triton_interpreter_initial_state_kvm(K, V, M, interp):
 
 
 @pytest.mark.parametrize("chunk,bd", [(16, 16), (32, 64), (32, 16)])
-def test_triton_interpreter_block_sizes(chunk, bd, monkeypatch, interp):
+def test_triton_interpreter_block_sizes(chunk, bd, interp):
     # chunk sizes change the number of pairwise levels; D tiles smaller than K or V split the state scans
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "CHUNK", chunk)
-    monkeypatch.setattr(mod, "SCAN_BD", bd)
     xs, h0 = make_inputs(1, 80, 1, 32, 128, 32, decay="wide", seed=chunk + bd)
-    assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, f"chunk={chunk} BD={bd}")
+    assert_close(run(interp, xs, h0, 1.0, settings=Settings(chunk=chunk, scan_bd=bd)), naive(xs, h0, 1.0), CPU_TOL,
+                 f"chunk={chunk} BD={bd}")
 
 
 def test_triton_interpreter_stress_decays(interp):
@@ -248,64 +243,31 @@ def test_triton_kernel_under_torch_compile(interp):
     assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
-@pytest.mark.parametrize("case", ["stress", "varlen", "one final state", "D tiles", "e^GC late"])
-def test_triton_interpreter_fed_scans(case, monkeypatch, interp):
-    # FEED_SCAN: the scans load their inputs with the decays applied and e^{G_C} per chunk
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "FEED_SCAN", True)
-    cu, final_used, K, V = None, (True, True), 32, 32
-    if case == "e^GC late":   # the next chunk's e^{G_C} loaded after the step's store (EGC_EARLY=False), packed
-        monkeypatch.setattr(mod, "EGC_EARLY", False)
-    if case in ("varlen", "e^GC late"):
-        cu = torch.tensor([0, 33, 40, 90])
-    if case == "one final state":
-        final_used = (False, True)
-    if case == "D tiles":
-        monkeypatch.setattr(mod, "SCAN_BD", 16)
-        K, V = 32, 64
-    xs, h0 = make_inputs(1, 200 if case == "stress" else 90, 1, K, V, 32,
-                         decay="stress" if case == "stress" else "wide", n_seq=3 if cu is not None else None, seed=9)
-    assert_close(run(interp, xs, h0, 1.0, cu, final_used=final_used),
-                 run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, f"fed scans, {case}")
-
-
-@pytest.mark.parametrize("settings", [{}, dict(G_SLOT_MAJOR=False), dict(PAIRS_KERNEL=False)],
-                         ids=["defaults", "G_SLOT_MAJOR=False", "PAIRS_KERNEL=False"])
-def test_triton_interpreter_gate_layouts_and_pairs(settings, monkeypatch, interp):
-    # _fwd_out and _bwd_dz reading g from the slot-major copy by chunk that _gate_factors stores, or from [T, H, M];
-    # the backward's pairwise-decay work in _bwd_pairs (from A1, A2 kept by _fwd_out, D2 by _bwd_dz) or in
-    # _bwd_dkvsg: packed sequences with short last chunks, stress decays, initial states
-    import kernels.gsa as mod
-    for name, value in settings.items():
-        monkeypatch.setattr(mod, name, value)
+def test_triton_interpreter_packed_stress_decays(interp):
+    # g slot-major by chunk (the per-chunk kernels' copy, padded past short last chunks) and the backward's
+    # pairwise-decay work apart (A1, A2 kept by _fwd_out, D2 by _bwd_dz): packed sequences with short last chunks,
+    # stress decays, initial states
     cu = torch.tensor([0, 5, 45, 64])
     xs, h0 = make_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=15)
-    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, f"{settings}")
+    assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, "packed stress")
 
 
-@pytest.mark.parametrize("case", ["stress", "varlen, one final state", "D tiles", "no logits parts", "one pass",
-                                  "bf16"])
-def test_triton_interpreter_forward_stores_no_state(case, monkeypatch, interp):
-    # OUT_SCAN: the key scan alone forms the slot logits' parts (LOGITS_SCAN), the value scan forms the output
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "OUT_SCAN", True)
+@pytest.mark.parametrize("case", ["stress", "varlen, one final state", "D tiles", "bf16"])
+def test_triton_interpreter_stateless_forward(case, interp):
+    # the forward that stores no chunk state (chosen for many sequence-heads, forced here): the key scan alone forms
+    # the slot logits' parts, the value scan forms the output
+    settings = Settings(stateless_forward=True)
     cu, final_used, K, V, dtype = None, (True, True), 32, 32, torch.float32
     if case == "varlen, one final state":
         cu, final_used = torch.tensor([0, 33, 40, 90]), (False, True)
     if case == "D tiles":   # several parts of the logits, several output tiles
-        monkeypatch.setattr(mod, "KEY_SCAN_BD", 16)
-        monkeypatch.setattr(mod, "OUT_SCAN_BD", 16)
+        settings = Settings(stateless_forward=True, key_scan_bd=16, out_scan_bd=16)
         K, V = 48, 64
-    if case == "no logits parts":
-        monkeypatch.setattr(mod, "LOGITS_SCAN", False)
-    if case == "one pass":
-        monkeypatch.setattr(mod, "OUT_SCAN_PASSES", 1)
     if case == "bf16":
         dtype, cu = torch.bfloat16, torch.tensor([0, 33, 40, 90])
     xs, h0 = make_inputs(1, 200 if case == "stress" else 90, 1, K, V, 32, dtype=dtype,
                          decay="stress" if case == "stress" else "wide", n_seq=3 if cu is not None else None, seed=16)
-    assert mod._out_scan_on(1 if cu is None else 3, 1, V)
-    got = run(interp, xs, h0, 1.0, cu, final_used=final_used)
+    got = run(interp, xs, h0, 1.0, cu, final_used=final_used, settings=settings)
     if dtype == torch.bfloat16:   # the final states keep fp32 accuracy; the rest meets the bf16 bar
         ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0, cu)
         assert_close(got[1:3], ref[1:3], CPU_TOL, "final states, bf16", names=NAMES[1:3])
@@ -314,105 +276,17 @@ def test_triton_interpreter_forward_stores_no_state(case, monkeypatch, interp):
         assert_close(got, run(naive_gsa, xs, h0, 1.0, cu, final_used=final_used), CPU_TOL, case)
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_triton_interpreter_bf16_split_scans(split, monkeypatch, interp):
-    # bf16 inputs: the scans' fed weights travel as bf16 halves hi + lo (SPLIT_SCAN). The final states come from the
-    # forward scan alone (fed weights and bf16 k, v): they must keep fp32 accuracy, as the tf32 step does; a plain
-    # bf16 rounding of the weights is ~3e-3 off (dropping lo). Everything else is bf16 and meets the bf16 bar.
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "SPLIT_SCAN", split)
+def test_triton_interpreter_bf16_split_scans(interp):
+    # bf16 inputs: the scans' weights travel as bf16 halves hi + lo (fp32 inputs, every other interpreter test, take
+    # one tf32 product). The final states come from the forward scan alone (decayed weights and bf16 k, v): they
+    # must keep fp32 accuracy; a plain bf16 rounding of the weights is ~3e-3 off (dropping lo). Everything else is
+    # bf16 and meets the bf16 bar. Stored-state forward here (few sequence-heads).
     cu = torch.tensor([0, 33, 40, 100])
     xs, h0 = make_inputs(1, 100, 1, 32, 32, 32, dtype=torch.bfloat16, decay="wide", n_seq=3, seed=14)
     got = run(interp, xs, h0, 1.0, cu)
     ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0, cu)
-    assert_close(got[1:3], ref[1:3], CPU_TOL, f"final states, split={split}", names=NAMES[1:3])
-    assert_close(got, ref, GPU_TOL, f"bf16, split={split}")
-
-
-# ---------------------------------------------------------------- CPU: the kernels compile for an H100
-
-def compile_for_sm90(M: int, K: int = 256, V: int = 256, what: str = "shared", every: bool = True) -> dict:
-    """Every GSA kernel at the shipped chunk / warps, compiled for sm_90: {kernel: shared memory bytes}, or
-    registers / stack / shared with what="resources". every=False: only the variants the default settings launch
-    for bf16 inputs (fed and split scans; the alternatives' shared memory is no larger)."""
-    import kernels.gsa as gsa
-    from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
-    from kernels.gsa.fwd import _fwd_out, _gate_factors, _out_scan, _state_scan
-
-    why = sm90.unavailable()
-    if why:
-        return {"unavailable": why}
-    BM, BT = gsa._slots(M), gsa._chunk(M)
-    out = {}
-    variants = ((False, False), (True, False), (True, True)) if every else ((True, True),)
-    for rev in (False, True):
-        for feed, split in variants:
-            w = "*bf16" if split or not (rev or feed) else "*fp32"
-            k = sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=V, BT=BT, BM=BM, BD=gsa._tile(K), REVERSE=rev,
-                                             HAS_H0=True, STORE_HT=True, PREC=gsa.PREC, FEED=feed, SPLIT=split,
-                                             EXACT=False, EGC_EARLY=gsa.EGC_EARLY, LOGITS=False), gsa.SCAN_WARPS,
-                           types={"w1": w, "w2": w, "g": "*fp32", "egc": "*fp32",
-                                  **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
-            out[f"_state_scan(reverse={rev}{', FEED_SCAN' if feed else ''}{', SPLIT_SCAN' if split else ''})"] = k
-    # OUT_SCAN: the forward's key state alone, then the value-state scan that forms the output
-    BDo = gsa.OUT_SCAN_BD or gsa._tile(K)
-    for split in (False, True) if every else (True,):
-        w = "*bf16" if split else "*fp32"
-        logits = gsa.LOGITS_SCAN
-        out[f"_state_scan(key state alone{', LOGITS_SCAN' if logits else ''}{', SPLIT_SCAN' if split else ''})"] = \
-            sm90.build(_state_scan, dict(H=4, M=M, D1=K, D2=0, BT=BT, BM=BM, BD=BDo, REVERSE=False, HAS_H0=True,
-                                         STORE_HT=True, PREC=gsa.PREC, FEED=True, SPLIT=split, EXACT=False,
-                                         EGC_EARLY=gsa.EGC_EARLY, LOGITS=logits, **({"hs1": None} if logits else {})),
-                       gsa.SCAN_WARPS, types={"w1": w, "w2": w, "g": "*fp32", "egc": "*fp32", "zp": "*fp32",
-                                              **{f"{n}{i}": "*fp32" for n in ("hs", "h0", "ht") for i in (1, 2)}})
-        out[f"_out_scan{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
-            _out_scan, dict(H=4, M=M, D=V, BT=BT, BM=BM, BD=BDo, HAS_H0=True, STORE_HT=True, PREC=gsa.PREC,
-                            SPLIT=split, EXACT=False, EGC_EARLY=gsa.EGC_EARLY), gsa.SCAN_WARPS,
-            types={"w": w, "h0": "*fp32", "ht": "*fp32", "egc": "*fp32", "pe": "*fp32", "a2": "*fp32"})
-    for split in (False, True) if every else (True,):
-        out[f"_gate_factors (FEED_SCAN{', SPLIT_SCAN' if split else ''})"] = sm90.build(
-            _gate_factors, dict(H=4, M=M, BT=BT, BM=BM, SPLIT=split, STORE_GF=gsa.G_SLOT_MAJOR), 4,
-            types={"g": "*fp32", "sE": "*bf16" if split else "*fp32", "egc": "*fp32", "gf": "*fp32"})
-    consts = dict(H=4, K=K, V=V, M=M, BT=BT, BK=gsa._tile(K), BV=gsa._tile(V), BM=BM,
-                  LEVELS=BT.bit_length() - 1, PREC=gsa.PREC)
-    f32 = {n: "*fp32" for n in ("g", "hk", "hv", "dhk", "dhv", "p", "z", "p_out", "z_out", "dz_out", "p_in", "dz_in",
-                                "dg", "pe_out", "dze_out", "a1_out", "d2_out", "a1", "d2", "dsi_out", "a2_out",
-                                "da1_out", "dsi", "a2", "da1")}
-    pairs = gsa.PAIRS_KERNEL
-    g_sm = gsa.FEED_SCAN and gsa.G_SLOT_MAJOR   # g's slot-major copy (made by _gate_factors, FEED_SCAN's kernel)
-    # passes 0-2 read the stored states; with OUT_SCAN passes 1 and 3 read the key scan's logits parts
-    # (LOGITS_SCAN) and 1, 3, 4 get hv and o as None, as launched
-    for npass, out_scan in ((0, False), (1, False), (2, False), (1, True), (3, True), (4, True)):
-        if not every and npass in (0, 3):   # OUT_PASSES=1, OUT_SCAN_PASSES=1
-            continue
-        none = dict(hv=None, o=None) if out_scan else {}
-        if out_scan and gsa.LOGITS_SCAN and npass != 4:
-            none.update(hk=None, NZP=K // BDo)
-        out[f"_fwd_out (pass {npass}{', OUT_SCAN' if out_scan else ''})"] = sm90.build(
-            _fwd_out, dict(consts, PASS=npass, G_SM=g_sm, KEEP_A=pairs, **dict(dict(NZP=0), **none)), gsa.OUT_WARPS,
-            types=dict(f32, zp="*fp32"), maxnreg=gsa.OUT_MAXNREG)
-    dz_consts = {n: consts[n] for n in ("H", "V", "M", "BT", "BV", "BM", "LEVELS", "PREC")}
-    for feed, split in variants:
-        out[f"_bwd_dz{' (FEED_SCAN)' if feed else ''}{' (SPLIT_SCAN)' if split else ''}"] = sm90.build(
-            _bwd_dz, dict(dz_consts, FEED=feed, SPLIT=split, G_SM=feed and g_sm, STORE_D2=pairs), gsa.CHUNK_WARPS,
-            types=dict(f32, **({"pe_out": "*bf16", "dze_out": "*bf16"} if split else {})), maxnreg=gsa.DZ_MAXNREG)
-    if pairs:
-        out["_bwd_pairs"] = sm90.build(_bwd_pairs, {n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC")},
-                                       gsa.PAIRS_WARPS, types=f32, maxnreg=gsa.PAIRS_MAXNREG)
-    out["_bwd_dkvsg"] = sm90.build(_bwd_dkvsg, dict(consts, PAIRS=pairs, G_SM=pairs and g_sm), gsa.CHUNK_WARPS,
-                                   types=f32, maxnreg=gsa.DKVSG_MAXNREG if pairs else None)
-    return sm90.report(out, what)
-
-
-# chunk 32 at M = 64 (every variant), 16 at M = 128 (what the defaults launch): the largest tiles each takes
-@pytest.mark.parametrize("M,every", [(64, True), (128, False)])
-def test_triton_kernels_compile_for_h100(M, every):
-    sm90.assert_fits_h100("tests.kernels.test_gsa", f"compile_for_sm90({M}, every={every})",
-                          GSA_KERNELS if every else GSA_DEFAULT_KERNELS)
-
-
-GSA_KERNELS = 23           # compile_for_sm90's builds
-GSA_DEFAULT_KERNELS = 12   # with every=False
+    assert_close(got[1:3], ref[1:3], CPU_TOL, "final states, bf16", names=NAMES[1:3])
+    assert_close(got, ref, GPU_TOL, "bf16")
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
@@ -450,12 +324,10 @@ def test_gpu_initial_state_kvm(K, V, M):
 @gpu
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("bd", [16, 32, 64])
-def test_gpu_block_sizes(chunk, bd, monkeypatch):
-    import kernels.gsa as mod
-    monkeypatch.setattr(mod, "CHUNK", chunk)
-    monkeypatch.setattr(mod, "SCAN_BD", bd)
+def test_gpu_block_sizes(chunk, bd):
     xs, h0 = make_inputs(1, 300, 2, 128, 64, 64, device="cuda", dtype=torch.bfloat16, seed=chunk + bd)
-    assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"{chunk=} {bd=}")
+    assert_close(run(chunk_gsa, xs, h0, None, settings=Settings(chunk=chunk, scan_bd=bd)), naive(xs, h0, None),
+                 GPU_TOL, f"{chunk=} {bd=}")
 
 
 @gpu
@@ -481,23 +353,19 @@ def test_gpu_matches_cpu_torch_path():
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
 
 
-# The other settings the sweep times, in bf16 on the GPU.
-VARIANTS = [dict(FEED_SCAN=False), dict(SPLIT_SCAN=False), dict(OUT_PASSES=1), dict(SCAN_BD=16), dict(SCAN_BD=64),
-            dict(G_SLOT_MAJOR=False), dict(EGC_EARLY=False), dict(PAIRS_KERNEL=False),
-            dict(PAIRS_STREAM=False), dict(OUT_SCAN=True), dict(OUT_SCAN=True, LOGITS_SCAN=False),
-            dict(OUT_SCAN=True, OUT_SCAN_PASSES=1)]
+# Both forward regimes and other scan tiles, in bf16 on the GPU.
+VARIANTS = [dict(stateless_forward=True), dict(stateless_forward=False), dict(scan_bd=16), dict(scan_bd=64),
+            dict(stateless_forward=True, key_scan_bd=32, out_scan_bd=32)]
 
 
 @gpu
-@pytest.mark.parametrize("settings", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_gpu_variants_match_naive(settings, monkeypatch):
-    import kernels.gsa as mod
-    for name, value in settings.items():
-        monkeypatch.setattr(mod, name, value)
+@pytest.mark.parametrize("fields", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_gpu_settings_match_naive(fields):
+    settings = Settings(**fields)
     xs, h0 = make_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=torch.bfloat16, decay="stress", seed=11)
-    assert_close(run(chunk_gsa, xs, h0, 1.0), naive(xs, h0, 1.0), GPU_TOL, f"stress {settings}")
+    assert_close(run(chunk_gsa, xs, h0, 1.0, settings=settings), naive(xs, h0, 1.0), GPU_TOL, f"stress {fields}")
     lens = [1, 17, 300, 64, 90]
     cu = torch.tensor([0] + lens).cumsum(0).cuda()
     xs, h0 = make_inputs(1, sum(lens), 2, 64, 128, 32, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=12)
-    assert_close(run(chunk_gsa, xs, h0, 1.0, cu, final_used=(False, True)),
-                 run(naive_gsa, xs, h0, 1.0, cu, final_used=(False, True)), GPU_TOL, f"varlen {settings}")
+    assert_close(run(chunk_gsa, xs, h0, 1.0, cu, final_used=(False, True), settings=settings),
+                 run(naive_gsa, xs, h0, 1.0, cu, final_used=(False, True)), GPU_TOL, f"varlen {fields}")
