@@ -140,13 +140,3 @@ def decay_on(mask, diff):
     the mask holds; the clamp makes it so in floating point too), and masked entries never reach the exp: a decay
     factor can never overflow, so no inf is ever multiplied by 0."""
     return tl.where(mask, tl.exp(tl.minimum(tl.where(mask, diff, 0.), 0.)), 0.)
-
-
-@triton.jit
-def mm(x, y, PREC: tl.constexpr):
-    """x @ y on fp32 tiles with operands at PREC: "tf32" or "ieee" (fp32 operands), or "bf16" (operands rounded to
-    bf16: twice the tensor-core rate and half the shared memory of tf32; fp32 accumulation either way)."""
-    if PREC == "bf16":
-        return tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
-    else:
-        return tl.dot(x, y, input_precision=PREC)
