@@ -30,7 +30,7 @@ def _pair_decay(g):
 def _chunk_one(q, k, v, s, g, scale, hk0, hv0, C):
     """One sequence (or equal-length batch). Inputs [B, T, H, *]; hk0 [B, H, K, M], hv0 [B, H, M, V]."""
     B, T, H, K = q.shape
-    V, M = v.shape[-1], s.shape[-1]
+    V = v.shape[-1]
     NC = -(-T // C)
     pad = NC * C - T
     # Padded steps have g = 0 (decay 1) and zero q, k, v, s: they leave the states untouched.

@@ -4,7 +4,6 @@ the interpreter runs the kernels but never lowers them. The builds are recorded 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess

@@ -7,8 +7,6 @@ output, both final states and the gradients of q, k, v, s, g and both initial st
 
 from __future__ import annotations
 
-import math
-import os
 
 import pytest
 import torch
@@ -17,19 +15,10 @@ import torch.nn.functional as F
 from kernels.gsa import chunk_gsa, naive_gsa
 from kernels.gsa.chunk import Settings
 from kernels.gsa.torch_chunk import chunk_gsa_torch
+from tests.kernels import common
+from tests.kernels.common import CPU_TOL, GPU_TOL
 
-CPU_TOL = 1e-5
-GPU_TOL = 5e-3
 NAMES = ("o", "hk", "hv", "dq", "dk", "dv", "ds", "dg", "dhk0", "dhv0")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The recurrences are thousands of tiny ops: threads only add overhead on a busy 2-core CI machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_inputs(B, T, H, K, V, M, *, device="cpu", dtype=torch.float32, decay="model", seed=0, n_seq=None):
@@ -40,14 +29,8 @@ def make_inputs(B, T, H, K, V, M, *, device="cpu", dtype=torch.float32, decay="m
     s = torch.sigmoid(rnd(B, T, H, M))   # independent of g here, so ds and dg are checked apart
     if decay == "model":      # the GSA layer's gate: logsigmoid(.) / 8
         g = F.logsigmoid(2 * rnd(B, T, H, M)) / 8
-    elif decay == "wide":     # 3e-4 .. 4.5 per step
-        g = -torch.exp(torch.empty(B, T, H, M).uniform_(-8, 1.5, generator=gen))
-    elif decay == "stress":   # -1e-6 (decay ~ 1) down to -50, mixed in every row and along time
-        g = -torch.exp(torch.empty(B, T, H, M).uniform_(math.log(1e-6), math.log(50.0), generator=gen))
-        g[:, ::7] = -1e-6
-        g[:, 3::11] = -50.0
-    else:
-        raise ValueError(decay)
+    else:                     # "wide" or "stress"
+        g = common.log_decays((B, T, H, M), decay, gen)
     xs = [q, k, v, s, g]
     xs = [x.to(device=device, dtype=torch.float32 if i == 4 else dtype) for i, x in enumerate(xs)]
     N = B if n_seq is None else n_seq
@@ -79,24 +62,12 @@ def naive(xs, h0, scale, cu_seqlens=None, final=True):
 
 
 def assert_close(got, ref, tol, what="", names=NAMES):
-    for name, x, y in zip(names, got, ref):
-        if y is None:
-            assert x is None, f"{what} {name}: expected None"
-            continue
-        x, y = x.double().cpu(), y.double().cpu()
-        assert torch.isfinite(x).all(), f"{what} {name}: non-finite values"
-        err = ((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-        assert err <= tol, f"{what} {name}: RMSE/RMS = {err:.3e} > {tol:.0e}"
+    common.assert_close(got, ref, tol, what, names)
 
 
 @pytest.fixture
 def interp():
-    """chunk_gsa with backend='triton' on CPU tensors: needs TRITON_INTERPRET=1 from before Triton's import
-    (tests/conftest.py sets it on machines without CUDA)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines (TRITON_INTERPRET=1)")
-    return lambda *a, **kw: chunk_gsa(*a, backend="triton", **kw)
+    return common.interpreted(chunk_gsa)
 
 
 def test_naive_fp64_matches_the_definition_step_by_step():

@@ -7,7 +7,6 @@ slow). GPU (`-m gpu`): the Triton kernel in bf16 over the broad shape sweep. Met
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,19 +14,10 @@ import torch.nn.functional as F
 
 from kernels.rwkv7 import chunk_rwkv7, chunk_rwkv7_torch, naive_rwkv7
 from kernels.rwkv7.chunk import Settings
+from tests.kernels import common
+from tests.kernels.common import CPU_TOL, GPU_TOL
 
-CPU_TOL = 1e-5
-GPU_TOL = 5e-3
 NAMES = ("o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The recurrences are thousands of tiny ops: threads only add overhead (10x on a busy 2-core CI machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, decay="model", seed=0, n_seq=None):
@@ -39,14 +29,8 @@ def make_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, decay="mode
     rate = torch.rand(B, T, H, K, generator=gen)
     if decay == "model":      # the RWKV-7 layer's range: -exp(-0.5) * sigmoid(.)
         w = -math.exp(-0.5) * torch.sigmoid(2 * rnd(B, T, H, K))
-    elif decay == "wide":     # 3e-4 .. 4.5 per step
-        w = -torch.exp(torch.empty(B, T, H, K).uniform_(-8, 1.5, generator=gen))
-    elif decay == "stress":   # -1e-6 (decay ~ 1) down to -50, mixed in every row and along time
-        w = -torch.exp(torch.empty(B, T, H, K).uniform_(math.log(1e-6), math.log(50.0), generator=gen))
-        w[:, ::7] = -1e-6
-        w[:, 3::11] = -50.0
-    else:
-        raise ValueError(decay)
+    else:                     # "wide" or "stress"
+        w = common.log_decays((B, T, H, K), decay, gen)
     xs = [r, w, k, v, -kk, kk * rate]
     xs = [x.to(device=device, dtype=torch.float32 if i == 1 else dtype) for i, x in enumerate(xs)]
     N = B if n_seq is None else n_seq
@@ -71,25 +55,13 @@ def naive(xs, h0, scale, cu_seqlens=None):
     return run(naive_rwkv7, xs, h0, scale, cu_seqlens)
 
 
-def assert_close(got, ref, tol, what=""):
-    for name, x, y in zip(NAMES, got, ref):
-        if y is None:
-            assert x is None, f"{what} {name}: expected no gradient"
-            continue
-        x, y = x.double().cpu(), y.double().cpu()
-        assert torch.isfinite(x).all(), f"{what} {name}: non-finite values"
-        err = ((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-        assert err <= tol, f"{what} {name}: RMSE/RMS = {err:.3e} > {tol:.0e}"
+def assert_close(got, ref, tol, what="", names=NAMES):
+    common.assert_close(got, ref, tol, what, names)
 
 
 @pytest.fixture
 def interp():
-    """chunk_rwkv7 with backend='triton' on CPU tensors: needs TRITON_INTERPRET=1 from before Triton's import
-    (tests/conftest.py sets it on machines without CUDA)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines (TRITON_INTERPRET=1)")
-    return lambda *a, **kw: chunk_rwkv7(*a, backend="triton", **kw)
+    return common.interpreted(chunk_rwkv7)
 
 
 # ---------------------------------------------------------------- CPU: PyTorch chunked path
