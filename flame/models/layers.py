@@ -108,6 +108,21 @@ class LanguageModel(nn.Module):
             return (x @ weight.t()).float().view(B, T, -1)
         return output_loss_sum(x, weight, labels, self.args.loss_chunk_size, l2wrap=self.args.l2wrap)
 
+    # Inference: continuing sequences from a cache (flame.generate, flame.eval, flame.lm_eval). The cache is the
+    # model's own object: the recurrent models' per-layer states (matrix state, token-shift or conv inputs), the
+    # Transformer's keys and values. Nothing in it is ever recomputed from the prefix.
+
+    def prefill(self, prompts: list[list[int]]):
+        """Run B prompts of any lengths (>= 1 token each) from the start, in chunk mode (one packed row): returns
+        (fp32 logits of each prompt's last token [B, V], the cache of the B sequences)."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached inference")
+
+    def decode(self, input_ids: torch.Tensor, cache, all_logits: bool = False):
+        """Continue the B sequences of `cache` by input_ids [B, T]: (fp32 logits [B, T, V] if all_logits else of
+        the last position [B, 1, V], the cache). T == 1 is one recurrent step per layer (the Transformer: one query
+        against its cache); T > 1 runs chunk mode from the cached states. The cache is updated in place."""
+        raise NotImplementedError(f"{type(self).__name__} has no cached inference")
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
