@@ -2,9 +2,9 @@
 
     python -m flame.export RUN_DIR OUT_DIR [--step N]
 
-config.json holds {"model": <model args>, "step": N, "source": <where it came from>}; the tokenizer travels as
-tokenizer.json (a `tokenizers` file) or as RWKV's World vocabulary (rwkv_vocab_v20230424.txt), as
-flame.data.tokenizer.tokenizer_files names them, so that a folder works as data.tokenizer and for flame.generate.
+config.json holds {"model": <model args>, "step": N, "source": <where it came from>, "seq_len": <training length>};
+the tokenizer travels as tokenizer.json (a `tokenizers` file) or as RWKV's World vocabulary (rwkv_vocab_v20230424.txt),
+as flame.data.tokenizer.tokenizer_files names them, so that a folder works as data.tokenizer and for flame.generate.
 `load_exported` gives the model back (evaluation, generation). `python -m flame.convert` writes such folders from
 other formats (and those formats from them); checkpoint.init_from starts a new run from any of them.
 """
@@ -67,6 +67,8 @@ class ModelState:
     """Why no tokenizer travels along, where none does."""
     notes: list[str] = field(default_factory=list)
     """Other things the user should know (a norm epsilon that differs between formats)."""
+    seq_len: int | None = None
+    """The training sequence length (a Transformer generates from prompts up to it), where the source knows it."""
 
     def messages(self) -> list[str]:
         return self.notes + ([self.tokenizer_note] if self.tokenizer_note and not self.tokenizer else [])
@@ -220,9 +222,9 @@ def read_export(folder: str | Path) -> ModelState:
     except (OSError, SafetensorError) as e:
         raise ConvertError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     check_tensors(path, state, empty_state(args))
-    step = json.loads((folder / CONFIG).read_text()).get("step")
-    return ModelState(args, state, str(folder.resolve()), step, folder_tokenizer_files(folder),
-                      f"{folder} holds no tokenizer files; none copied")
+    meta = json.loads((folder / CONFIG).read_text())
+    return ModelState(args, state, str(folder.resolve()), meta.get("step"), folder_tokenizer_files(folder),
+                      f"{folder} holds no tokenizer files; none copied", seq_len=meta.get("seq_len"))
 
 
 def write_export(dst: str | Path, model: ModelState) -> Path:
@@ -231,7 +233,8 @@ def write_export(dst: str | Path, model: ModelState) -> Path:
     with staged_output(dst) as tmp:
         tmp.mkdir()
         save_file(standalone(model.state), str(tmp / WEIGHTS))
-        meta = {"model": dataclasses.asdict(model.args), "step": model.step, "source": model.source}
+        meta = {"model": dataclasses.asdict(model.args), "step": model.step, "source": model.source,
+                "seq_len": model.seq_len}
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2))
         copy_tokenizer(model.tokenizer, tmp)
     return dst
@@ -274,7 +277,7 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
     except ConvertError as e:  # the weights are still worth having
         tokenizer, note = {}, f"{e}; no tokenizer copied"
     return ModelState(cfg.model, {k: v.float() for k, v in state["model"].items()}, str(run_dir.resolve()), step,
-                      tokenizer, note)
+                      tokenizer, note, seq_len=cfg.training.seq_len)
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
