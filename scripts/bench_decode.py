@@ -2,7 +2,8 @@
 
     python scripts/bench_decode.py configs/transformer_0.6B.toml configs/rwkv7_0.6B.toml configs/gsa_0.6B.toml \\
         --batch 1 32 --prompt-len 40 4000 --new-tokens 128 [--cuda-graph]
-    python scripts/bench_decode.py configs/transformer_tiny.toml --device cpu --batch 1 2 --prompt-len 8 32 --new-tokens 4
+    python scripts/bench_decode.py configs/transformer_tiny.toml --device cpu --batch 1 2 --prompt-len 8 32 \
+        --new-tokens 4
 
 Each CONFIG_OR_MODEL is a config (.toml: random weights, init_weights) or any model flame.eval reads. Random
 prompt tokens; each new token is the previous step's argmax fed back, one model.decode per token as flame.generate
