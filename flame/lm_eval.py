@@ -3,11 +3,12 @@
     python -m flame.lm_eval --model flame --model_args pretrained=MODEL[,device=cuda,dtype=bf16,batch_size=N]
         --tasks TASKS [any other lm_eval argument: --include_path DIR, --num_fewshot N, --limit N, --output_path ...]
 
-MODEL is anything flame.eval reads (a flame export or run folder, an FLA / Hugging Face folder, an RWKV-LM .pth);
-its tokenizer comes with it. Other model_args: tokenizer=SPEC (overrides the model's), eos_token=TOKEN (the
-document boundary, "<|endoftext|>" by default: the prefix of rolling log-likelihoods and of empty contexts, and a
-stop for generation), max_length=N (the window, see below; default the training seq_len stored with the model,
-else 2048), max_gen_toks=N (default 256). model_args win over the harness's own --batch_size / --device.
+Needs lm-evaluation-harness (pip install 'lm-eval>=0.4.13,<0.5'; flame's test extra has it). MODEL is anything
+flame.eval reads (a flame export or run folder, an FLA / Hugging Face folder, an RWKV-LM .pth); its tokenizer comes
+with it. Other model_args: tokenizer=SPEC (overrides the model's), eos_token=TOKEN (the document boundary,
+"<|endoftext|>" by default: the prefix of rolling log-likelihoods and of empty contexts, and a stop for
+generation), max_length=N (the window, see below; default the training seq_len stored with the model, else 2048),
+max_gen_toks=N (default 256). model_args win over the harness's own --batch_size / --device.
 
 How the three request types run:
 - loglikelihood: context + continuation in one forward pass, batched (rows right-padded: causal models never look
@@ -29,10 +30,18 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError:
+    if __name__ == "__main__":
+        print("error: flame.lm_eval needs lm-evaluation-harness: pip install 'lm-eval>=0.4.13,<0.5' (flame's test "
+              "extra has it)", file=sys.stderr)
+        sys.exit(2)
+    raise
 
 from flame.data.tokenizer import WORLD_SEPARATOR
 from flame.eval import EvalError, load_model, load_tokenizer
@@ -295,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
         cli_evaluate()
     except (LmEvalError, EvalError, ConvertError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as e:  # lm-eval's own complaints (a task not found) and weights that do not fit the model
+        print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
         sys.exit(2)
 
 
