@@ -139,7 +139,7 @@ def test_harness_accuracy_and_choice_loglikelihoods_match_reference(setup, tmp_p
     assert results["acc,none"] == pytest.approx(sum(correct) / len(correct), abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["transformer", "rwkv7"])
+@pytest.mark.parametrize("kind", ["transformer", "rwkv7", "gsa"])
 def test_loglikelihood_equals_full_forward(setup, kind):
     base, tok, models_ = setup
     export, model = models_[kind]
@@ -173,7 +173,7 @@ def reference_greedy(model, tok, context: str, max_new: int) -> str:
     return tok.decode(out)
 
 
-@pytest.mark.parametrize("kind", ["transformer", "rwkv7"])
+@pytest.mark.parametrize("kind", ["transformer", "rwkv7", "gsa"])
 def test_generate_until_equals_greedy_loop(setup, kind):
     base, tok, models_ = setup
     export, model = models_[kind]
