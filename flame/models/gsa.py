@@ -23,7 +23,9 @@ from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row,
                                  positions_from_cu_seqlens)
+from flame.models.rwkv7 import packed_prompts
 from kernels.gsa import chunk_gsa
+from kernels.gsa.step import recurrent_step
 
 
 @dataclass
@@ -79,6 +81,62 @@ class GSAArgs(ModelArgs):
         return 256 * math.ceil(int(self.hidden_size * self.hidden_ratio * 2 / 3) / 256)
 
 
+@dataclass
+class GSALayerCache:
+    """One layer's part of a cache (see GSACache); updated in place by each cached pass."""
+
+    q_conv: torch.Tensor | None
+    """[B, conv_size - 1, C] the q convolution's last inputs (zeros before a sequence's start); None without convs."""
+    k_conv: torch.Tensor | None
+    """As q_conv, for k."""
+    v_conv: torch.Tensor | None
+    """As q_conv, for v."""
+    hk: torch.Tensor
+    """[B, H, K, M] fp32, the key slots after each sequence's last token."""
+    hv: torch.Tensor
+    """[B, H, M, V] fp32, the value slots."""
+
+
+@dataclass
+class GSACache:
+    """What continues B sequences: per layer the short convolutions' last inputs and the two slot states (constant
+    size: no tensor grows with the sequences)."""
+
+    layers: list[GSALayerCache]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, in a fixed order: what a CUDA graph of decode reads and writes in place (save
+        and restore them around the graph's warm-up, which advances the sequences)."""
+        return [t for layer in self.layers for t in vars(layer).values() if t is not None]
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].hk.shape[0]
+
+
+def last_inputs(x: torch.Tensor, n: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The last n tokens [B, n, D] of each document packed in x [1, N, D], zeros before a document's start."""
+    idx = cu_seqlens[1:, None].long() - n + torch.arange(n, device=x.device)
+    inside = (idx >= cu_seqlens[:-1, None].long())[..., None]
+    return x[0, idx.clamp_min(0)] * inside.to(x.dtype)
+
+
+def cached_conv(conv: ShortConv, x: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """conv(x) for a cached pass, which then stores each sequence's last (size - 1) inputs into `prev` in place.
+    Rows of x [B, T, D] continue their sequences (the convolution reads the cached inputs); packed documents (a
+    prefill) start from zero, as in training."""
+    n = conv.size - 1
+    if cu_seqlens is not None:
+        if n:
+            prev.copy_(last_inputs(x, n, cu_seqlens))
+        return conv(x, positions)
+    joined = torch.cat([prev.to(x.dtype), x], dim=1)
+    if n:
+        prev.copy_(joined[:, joined.shape[1] - n:])
+    return conv(joined)[:, n:]
+
+
 class GatedSlotAttention(nn.Module):
     def __init__(self, args: GSAArgs):
         super().__init__()
@@ -97,24 +155,47 @@ class GatedSlotAttention(nn.Module):
         self.g_norm = RMSNorm(self.head_dim if args.output_gate else C, args.g_norm_eps)
         self.o_proj = nn.Linear(C, C, bias=False)
 
-    def forward(self, x, cu_seqlens, positions):
+    def forward(self, x, cu_seqlens, positions, cache: GSALayerCache | None = None):
+        """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
+        continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.args.use_short_conv:
+        if self.args.use_short_conv and cache is None:
             q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
+        elif self.args.use_short_conv:
+            q = cached_conv(self.q_conv1d, q, cache.q_conv, positions, cu_seqlens)
+            k = cached_conv(self.k_conv1d, k, cache.k_conv, positions, cu_seqlens)
+            v = cached_conv(self.v_conv1d, v, cache.v_conv, positions, cu_seqlens)
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
         # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
         f = F.logsigmoid(self.f_proj(x).float()).view(B, T, H, M) / self.args.gate_logit_normalizer
         s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0; the log
         # gate f stays fp32 into the kernel, s (a slot write like k and v) goes in the activations' dtype
-        o, _ = chunk_gsa(q, k, v, s.to(q.dtype), f, scale=1.0, cu_seqlens=cu_seqlens)
+        if cache is None:
+            o, _ = chunk_gsa(q, k, v, s.to(q.dtype), f, scale=1.0, cu_seqlens=cu_seqlens)
+        else:
+            o = self.cached_op(q, k, v, s.to(q.dtype), f, cu_seqlens, cache)
         if self.g_proj is None:
             # fp32 norm over all heads together; its eps matters: at init mean(silu(o)^2) is only ~1e-4
             o = self.g_norm(F.silu(o.float()).reshape(B, T, C))
         else:
             o = (self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
         return self.o_proj(o.to(x.dtype))
+
+    @staticmethod
+    def cached_op(q, k, v, s, f, cu_seqlens, cache: GSALayerCache):
+        """The recurrence from the cached slots (updated in place): one step for one token per row (never the
+        prefix), else the chunk op from the cached states."""
+        if cu_seqlens is None and q.shape[1] == 1:
+            o, (hk, hv) = recurrent_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], f[:, 0], (cache.hk, cache.hv), scale=1.0)
+            o = o[:, None]
+        else:
+            o, (hk, hv) = chunk_gsa(q, k, v, s, f, scale=1.0, initial_state=(cache.hk, cache.hv),
+                                    output_final_state=True, cu_seqlens=cu_seqlens)
+        cache.hk.copy_(hk)
+        cache.hv.copy_(hv)
+        return o
 
 
 class Block(nn.Module):
@@ -125,8 +206,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.mlp = SwiGLU(args.hidden_size, args.ffn_size)
 
-    def forward(self, x, cu_seqlens, positions):
-        x = x + self.attn(self.attn_norm(x), cu_seqlens, positions)
+    def forward(self, x, cu_seqlens, positions, cache: GSALayerCache | None = None):
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, positions, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -155,10 +236,37 @@ class GSA(LanguageModel):
         if cu_seqlens is not None:
             input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
             positions = positions_from_cu_seqlens(cu_seqlens, B * T)
+        return self.logits_or_loss_sum(self.hidden(input_ids, cu_seqlens, positions), labels, B, T)
+
+    def hidden(self, input_ids, cu_seqlens=None, positions=None, cache: GSACache | None = None):
+        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
         x = self.embed(input_ids)
-        for block in self.layers:
-            x = block(x, cu_seqlens, positions)
-        return self.logits_or_loss_sum(x, labels, B, T)
+        for i, block in enumerate(self.layers):
+            x = block(x, cu_seqlens, positions, None if cache is None else cache.layers[i])
+        return x
+
+    def empty_cache(self, batch_size: int) -> GSACache:
+        """Zero states for batch_size sequences (what no token has touched yet)."""
+        a, p, B = self.args, self.embed.weight, batch_size
+        H, D, M = a.num_heads, a.hidden_size // a.num_heads, a.num_slots
+        conv = (lambda: p.new_zeros(B, a.conv_size - 1, a.hidden_size)) if a.use_short_conv else (lambda: None)
+        return GSACache([GSALayerCache(conv(), conv(), conv(), p.new_zeros(B, H, D, M, dtype=torch.float32),
+                                       p.new_zeros(B, H, M, D, dtype=torch.float32)) for _ in self.layers])
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]):
+        ids, cu_seqlens = packed_prompts(prompts, self.embed.weight.device)
+        cache = self.empty_cache(len(prompts))
+        x = self.hidden(ids, cu_seqlens, positions_from_cu_seqlens(cu_seqlens, ids.shape[1]), cache)
+        x = x[0, cu_seqlens[1:].long() - 1]                             # each prompt's last token
+        return self.logits_or_loss_sum(x[:, None], None, len(prompts), 1)[:, 0], cache
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache: GSACache, all_logits: bool = False):
+        x = self.hidden(input_ids, cache=cache)
+        if not all_logits:
+            x = x[:, -1:]
+        return self.logits_or_loss_sum(x, None, x.shape[0], x.shape[1]), cache
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x (matmul and convolution weights, head included) + the two slot passes: per token and head a K x M

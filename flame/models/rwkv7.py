@@ -21,6 +21,7 @@ from flame.models import register
 from flame.models.layers import LanguageModel, as_one_packed_row
 from flame.optim import ParamGroup, trainable_parameters
 from kernels.rwkv7 import chunk_rwkv7
+from kernels.rwkv7.step import recurrent_step
 
 DECAY_SCALE = math.exp(-0.5)  # log decay = -exp(-0.5) * sigmoid(.): per-step decay in (0.545, 1)
 
@@ -70,6 +71,53 @@ def token_shift(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """x_{t-1} (zero at t = 0 and, with packed documents, at every document start: `keep` is 0 there)."""
     shifted = F.pad(x, (0, 0, 1, -1))
     return shifted if keep is None else shifted * keep
+
+
+def last_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's last token [B, C]: of the rows of x [B, T, C], or of the documents packed in x [1, N, C]."""
+    return x[:, -1] if cu_seqlens is None else x[0, cu_seqlens[1:].long() - 1]
+
+
+def cached_token_shift(x: torch.Tensor, prev: torch.Tensor, keep: torch.Tensor | None,
+                       cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """token_shift for a cached pass, which then stores each sequence's last x into `prev` [B, C] in place. Rows of
+    x [B, T, C] continue their sequences: the first token sees the cached prev. Packed documents (a prefill) start
+    from zero, as in training."""
+    if cu_seqlens is None:
+        shifted = torch.cat([prev[:, None].to(x.dtype), x[:, :-1]], dim=1)    # a new tensor: prev is free to change
+    else:
+        shifted = token_shift(x, keep)
+    prev.copy_(last_tokens(x, cu_seqlens))
+    return shifted
+
+
+@dataclass
+class RWKV7LayerCache:
+    """One layer's part of a cache (see RWKV7Cache); updated in place by each cached pass."""
+
+    attn_x: torch.Tensor
+    """[B, C] the time mix's input (after attn_norm) at each sequence's last token: the next token's shift."""
+    ffn_x: torch.Tensor
+    """[B, C] the channel mix's input (after ffn_norm) at each sequence's last token."""
+    state: torch.Tensor
+    """[B, H, K, V] fp32, the matrix state after each sequence's last token."""
+
+
+@dataclass
+class RWKV7Cache:
+    """What continues B sequences: per layer the two token-shift inputs and the matrix state (constant size: no
+    tensor grows with the sequences). v_first is per token, recomputed by layer 0 at every step, never cached."""
+
+    layers: list[RWKV7LayerCache]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, in a fixed order: what a CUDA graph of decode reads and writes in place (save
+        and restore them around the graph's warm-up, which advances the sequences)."""
+        return [t for layer in self.layers for t in vars(layer).values() if t is not None]
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].state.shape[0]
 
 
 class TimeMix(nn.Module):
@@ -138,10 +186,12 @@ class TimeMix(nn.Module):
         self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
         nn.init.zeros_(self.ln_x.bias)
 
-    def forward(self, x, v_first, keep, cu_seqlens):
+    def forward(self, x, v_first, keep, cu_seqlens, cache: RWKV7LayerCache | None = None):
+        """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
+        continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
         H, N = self.n_heads, self.args.head_dim
-        xx = token_shift(x, keep) - x
+        xx = (token_shift(x, keep) if cache is None else cached_token_shift(x, cache.attn_x, keep, cu_seqlens)) - x
         xr, xw, xk, xv, xa, xg = x[None] + xx[None] * self.lerp[:, None, None, :].to(x.dtype)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
         # The log decay in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels over long contexts.
@@ -156,13 +206,29 @@ class TimeMix(nn.Module):
         kk = F.normalize((k * self.k_k).view(B, T, H, N).float(), dim=-1).to(k.dtype)
         k = k * (1 + (a - 1) * self.k_a)
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
-        o, _ = chunk_rwkv7(heads(r), heads(w), heads(k), heads(v), -kk, kk * heads(a), scale=1.0,
-                           cu_seqlens=cu_seqlens)
+        if cache is None:
+            o, _ = chunk_rwkv7(heads(r), heads(w), heads(k), heads(v), -kk, kk * heads(a), scale=1.0,
+                               cu_seqlens=cu_seqlens)
+        else:
+            o = self.cached_op(heads(r), heads(w), heads(k), heads(v), -kk, kk * heads(a), cu_seqlens, cache.state)
         o = F.group_norm(o.reshape(B * T, C).float(), H, self.ln_x.weight.float(), self.ln_x.bias.float(),
                          self.ln_x.eps).view(B, T, H, N)
         bonus = (heads(r).float() * heads(k).float() * self.r_k.float()).sum(-1, keepdim=True) * heads(v).float()
         o = (o + bonus).view(B, T, C).to(x.dtype)
         return self.o_proj(o * g), v_first
+
+    @staticmethod
+    def cached_op(r, w, k, v, a, b, cu_seqlens, state):
+        """The recurrence from `state` (updated in place): one step for one token per row (never the prefix), else
+        the chunk op from the cached states."""
+        if cu_seqlens is None and r.shape[1] == 1:
+            o, new_state = recurrent_step(r[:, 0], w[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], state, scale=1.0)
+            o = o[:, None]
+        else:
+            o, new_state = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=state, output_final_state=True,
+                                       cu_seqlens=cu_seqlens)
+        state.copy_(new_state)
+        return o
 
 
 class ChannelMix(nn.Module):
@@ -183,8 +249,9 @@ class ChannelMix(nn.Module):
         nn.init.orthogonal_(self.key.weight, gain=1.0)   # [4C, C]: orthonormal columns, no sqrt(4) shape gain
         nn.init.zeros_(self.value.weight)
 
-    def forward(self, x, keep):
-        h = x + (token_shift(x, keep) - x) * self.x_k.to(x.dtype)
+    def forward(self, x, keep, cu_seqlens=None, cache: RWKV7LayerCache | None = None):
+        shifted = token_shift(x, keep) if cache is None else cached_token_shift(x, cache.ffn_x, keep, cu_seqlens)
+        h = x + (shifted - x) * self.x_k.to(x.dtype)
         return self.value(torch.relu(self.key(h)).square())
 
 
@@ -196,12 +263,13 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn = ChannelMix(args, layer_id)
 
-    def forward(self, x, v_first, keep, cu_seqlens):
+    def forward(self, x, v_first, keep, cu_seqlens, cache: RWKV7LayerCache | None = None):
         """(x, v_first) from the first layer, (x, None) from the others: handing an input back out makes FSDP2 warn
-        that the block returned a view (its pre-forward hook makes views of the inputs)."""
-        h, v = self.attn(self.attn_norm(x), v_first, keep, cu_seqlens)
+        that the block returned a view (its pre-forward hook makes views of the inputs). With a cache: a cached pass
+        (TimeMix.forward)."""
+        h, v = self.attn(self.attn_norm(x), v_first, keep, cu_seqlens, cache)
         x = x + h
-        return x + self.ffn(self.ffn_norm(x), keep), v if self.attn.supplies_v_first else None
+        return x + self.ffn(self.ffn_norm(x), keep, cu_seqlens, cache), v if self.attn.supplies_v_first else None
 
 
 @register("rwkv7", RWKV7Args)
@@ -232,19 +300,47 @@ class RWKV7(LanguageModel):
 
     def forward(self, input_ids, labels=None, cu_seqlens=None):
         B, T = input_ids.shape
-        keep = None
         if cu_seqlens is not None:
             input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
-            keep = torch.ones(B * T, 1, device=input_ids.device)
-            keep[cu_seqlens[:-1].long().clamp_max(B * T - 1)] = 0
+        x = self.hidden(input_ids, cu_seqlens)
+        return self.logits_or_loss_sum(x, labels, B, T)
+
+    def hidden(self, input_ids, cu_seqlens=None, cache: RWKV7Cache | None = None):
+        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
+        keep = None
+        if cu_seqlens is not None:
+            n = input_ids.shape[1]
+            keep = torch.ones(n, 1, device=input_ids.device)
+            keep[cu_seqlens[:-1].long().clamp_max(n - 1)] = 0
         x = self.embed_norm(self.embed(input_ids))
         if keep is not None:
             keep = keep.to(x.dtype)
         v_first = None
-        for block in self.layers:
-            x, v = block(x, v_first, keep, cu_seqlens)
+        for i, block in enumerate(self.layers):
+            x, v = block(x, v_first, keep, cu_seqlens, None if cache is None else cache.layers[i])
             v_first = v_first if v is None else v
-        return self.logits_or_loss_sum(x, labels, B, T)
+        return x
+
+    def empty_cache(self, batch_size: int) -> RWKV7Cache:
+        """Zero states for batch_size sequences (what no token has touched yet)."""
+        a, p, B = self.args, self.embed.weight, batch_size
+        H, N = a.hidden_size // a.head_dim, a.head_dim
+        return RWKV7Cache([RWKV7LayerCache(p.new_zeros(B, a.hidden_size), p.new_zeros(B, a.hidden_size),
+                                           p.new_zeros(B, H, N, N, dtype=torch.float32)) for _ in self.layers])
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]):
+        ids, cu_seqlens = packed_prompts(prompts, self.embed.weight.device)
+        cache = self.empty_cache(len(prompts))
+        x = last_tokens(self.hidden(ids, cu_seqlens, cache), cu_seqlens)
+        return self.logits_or_loss_sum(x[:, None], None, len(prompts), 1)[:, 0], cache
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache: RWKV7Cache, all_logits: bool = False):
+        x = self.hidden(input_ids, None, cache)
+        if not all_logits:
+            x = x[:, -1:]
+        return self.logits_or_loss_sum(x, None, x.shape[0], x.shape[1]), cache
 
     def optimizer_groups(self) -> list[ParamGroup]:
         """RWKV-LM's groups: the decay bias w0 at twice the learning rate; the weights of the linear layers (head
@@ -267,6 +363,16 @@ class RWKV7(LanguageModel):
         head (read sa, two rank-one updates, read o), 2 FLOPs each, times 3 for fwd + bwd."""
         a = self.args
         return 6 * self.matmul_params() + 24 * a.num_layers * a.hidden_size * a.head_dim
+
+
+def packed_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """B prompts as one packed row [1, N] of token ids and its cu_seqlens [B + 1] (int32)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prefill needs at least one prompt and at least one token in every prompt")
+    lengths = torch.tensor([len(p) for p in prompts])
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
+    return ids, cu_seqlens
 
 
 def _ortho(w: torch.Tensor, scale: float, gain_from_shape: bool = True) -> None:
