@@ -18,6 +18,15 @@ VOCAB = 256
 MODELS = ["rwkv7", "gsa", "gsa_conv"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # decoding is hundreds of tiny ops: a second thread only adds overhead (10x on a busy 2-core machine)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(kind: str):
     if kind == "rwkv7":
         args = model_args_class("rwkv7")(name="rwkv7", vocab_size=VOCAB, hidden_size=64, num_layers=2, head_dim=16)
@@ -111,11 +120,11 @@ def test_decode_token_by_token_equals_full_forward(kind):
 @pytest.mark.parametrize("kind", MODELS)
 def test_batched_prefill_and_decode_equal_single_sequences(kind):
     model = tiny(kind)
-    lengths, new = (37, 101, 5), 4
+    lengths, new = (37, 101, 2, 5), 4      # 2 < the convolution's 3 cached inputs: its prompt is all there is
     seqs = [tokens(n + new, seed=10 + i) for i, n in enumerate(lengths)]
     refs = [full_logits(model, s) for s in seqs]
     last, cache = model.prefill([s[:n] for s, n in zip(seqs, lengths)])
-    assert last.shape == (3, VOCAB) and cache.batch_size == 3
+    assert last.shape == (4, VOCAB) and cache.batch_size == 4
     for i, n in enumerate(lengths):
         assert rel_err(last[i], refs[i][n - 1]) < 1e-4, (i, n)
     for j in range(new):
@@ -163,8 +172,11 @@ def test_a_decode_step_never_touches_the_prefix(kind, monkeypatch):
         _, cache = model.prefill([tokens(prompt_len, 1), tokens(prompt_len // 3 + 1, 2)])
         seen.clear()
         chunk_calls.clear()
+        where = [(x.data_ptr(), x.shape) for x in cache.tensors()]
         for step in range(3):
-            model.decode(torch.tensor([[step], [step + 1]]), cache)
+            _, same = model.decode(torch.tensor([[step], [step + 1]]), cache)
+        # updated in place (what a CUDA graph of the step needs): the same tensors, the same shapes
+        assert same is cache and [(x.data_ptr(), x.shape) for x in cache.tensors()] == where
         # each step: every block sees B x 1 tokens, and the chunk op (which could read a prefix) is never called
         assert seen == [(2, 1, 64)] * (3 * len(model.layers)), (prompt_len, seen)
         assert chunk_calls == [], prompt_len
