@@ -7,8 +7,6 @@ Every shape is fixed by the batch, so a CUDA graph can capture the step.
 
 from __future__ import annotations
 
-import torch
-
 
 def recurrent_step(r, w, k, v, a, b, state, scale: float = 1.0):
     """r, w (log decay), k, a, b: [B, H, K]; v: [B, H, V]; state [B, H, K, V] (fp32). Computes in the state's dtype;
