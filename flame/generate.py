@@ -1,7 +1,7 @@
 """Sample text from a model, one cached step per new token.
 
     python -m flame.generate MODEL --prompt "..." [--prompt "..." ...] [--prompts-file F] [--max-new-tokens N]
-        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--device cpu|cuda] [--dtype fp32|bf16] [--cuda-graph]
+        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--device cpu|cuda] [--dtype fp32|bf16] [--no-cuda-graph]
 
 MODEL is anything flame.eval reads (a flame export, a flame run folder = its newest complete checkpoint, an FLA /
 Hugging Face folder, an RWKV-LM .pth), its tokenizer with it. The prompts run together: `model.prefill` once, then
@@ -9,7 +9,8 @@ Hugging Face folder, an RWKV-LM .pth), its tokenizer with it. The prompts run to
 the prefix is never run again). Temperature 0 is greedy; otherwise softmax(logits / T) restricted to the top-k
 tokens and then to the smallest set whose mass reaches top-p, drawn with a seeded generator. One prompt streams its
 text as it comes; several print each prompt's text at the end, in order. A sequence stops at the tokenizer's eos.
---prompts-file holds one prompt per line. --cuda-graph (CUDA only) replays the one-token step as a CUDA graph.
+--prompts-file holds one prompt per line. On CUDA the one-token step is replayed as a CUDA graph (--no-cuda-graph:
+eager steps).
 """
 
 from __future__ import annotations
@@ -229,7 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer spec overriding the model's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--cuda-graph", action="store_true", help="replay the one-token step as a CUDA graph (CUDA)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the one-token step as a CUDA graph (default: on with --device cuda, where an eager "
+                        "step is bound by kernel launches)")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens: expected an integer >= 1, got {a.max_new_tokens}")
@@ -241,6 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise GenerateError("--device cuda: no CUDA device here")
     if a.cuda_graph and a.device != "cuda":
         raise GenerateError("--cuda-graph needs --device cuda")
+    if a.cuda_graph is None:
+        a.cuda_graph = a.device == "cuda"
     return a
 
 

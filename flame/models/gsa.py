@@ -21,9 +21,8 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row,
+from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, packed_prompts,
                                  positions_from_cu_seqlens)
-from flame.models.rwkv7 import packed_prompts
 from kernels.gsa import chunk_gsa
 from kernels.gsa.step import recurrent_step
 

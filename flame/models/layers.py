@@ -141,3 +141,13 @@ def as_one_packed_row(input_ids: torch.Tensor, labels: torch.Tensor | None, cu_s
     if cu_seqlens[-1] != B * T:
         raise ValueError(f"cu_seqlens must end at B*T = {B * T}, got {int(cu_seqlens[-1])}")
     return input_ids.reshape(1, B * T), None if labels is None else labels.reshape(1, B * T)
+
+
+def packed_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """B prompts as one packed row [1, N] of token ids and its cu_seqlens [B + 1] (int32)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prefill needs at least one prompt and at least one token in every prompt")
+    lengths = torch.tensor([len(p) for p in prompts])
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
+    return ids, cu_seqlens

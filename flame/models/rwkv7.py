@@ -18,7 +18,7 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.layers import LanguageModel, as_one_packed_row
+from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
 from flame.optim import ParamGroup, trainable_parameters
 from kernels.rwkv7 import chunk_rwkv7
 from kernels.rwkv7.step import recurrent_step
@@ -363,16 +363,6 @@ class RWKV7(LanguageModel):
         head (read sa, two rank-one updates, read o), 2 FLOPs each, times 3 for fwd + bwd."""
         a = self.args
         return 6 * self.matmul_params() + 24 * a.num_layers * a.hidden_size * a.head_dim
-
-
-def packed_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """B prompts as one packed row [1, N] of token ids and its cu_seqlens [B + 1] (int32)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prefill needs at least one prompt and at least one token in every prompt")
-    lengths = torch.tensor([len(p) for p in prompts])
-    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
-    return ids, cu_seqlens
 
 
 def _ortho(w: torch.Tensor, scale: float, gain_from_shape: bool = True) -> None:
