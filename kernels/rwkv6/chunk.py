@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.launch import launch
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
+from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,110 @@ class Settings:
     once (scripts/bench_kernels.py --set rwkv6.field=value times others)."""
 
     chunk: int = 64
-    """Tokens per chunk (16, 32 or 64)."""
+    """Tokens per chunk (16, 32 or 64): longer chunks mean fewer sequential scan steps and fewer stored states, at
+    the price of a larger pairwise matrix per chunk."""
+    prec: str = "tf32"
+    """Operand precision of every fp32 product ("tf32" or "ieee"): tf32 is enough for bf16 models; the interpreter
+    computes exact fp32 whatever this says."""
+    chunk_bv: int = 64
+    """V tile of the per-chunk kernels (_fwd_out, _bwd_chunk): all of V at once for V <= 64."""
+    scan_bv: int | None = None
+    """V tile of the sequence scans; None: kernels.utils.scan_tile, the widest tile that still gives about one
+    program per SM."""
+    scan_warps: int = 4
+    """Warps of the scans (_fwd_scan, _bwd_scan)."""
+    out_warps: int = 4
+    """Warps of _fwd_out."""
+    bwd_warps: int = 8
+    """Warps of _bwd_chunk (it holds A, dA and six [chunk, K] tiles at once)."""
+
+    def __post_init__(self):
+        assert self.chunk in (16, 32, 64), f"rwkv6 Settings.chunk must be 16, 32 or 64, got {self.chunk}"
+
+    def scan_tile(self, V: int, sequences_x_heads: int) -> int:
+        return self.scan_bv or scan_tile(V, sequences_x_heads)
+
+    def chunk_tile(self, V: int) -> int:
+        return min(self.chunk_bv, max(16, next_pow2(V)))
+
+
+def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, s: Settings):
+    from kernels.rwkv6.fwd import _fwd_out, _fwd_scan
+
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = s.chunk, max(16, next_pow2(K))
+    chunk_offsets, chunk_index, NT = tables
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    h = torch.empty(NT, H, K, V, **f32)
+    ht = torch.empty(N, H, K, V, **f32) if want_ht else None
+    BV = s.scan_tile(V, N * H)
+    launch(_fwd_scan, (N, H, triton.cdiv(V, BV)), k, v, w, cu, chunk_offsets, h0, h, ht, H=H, K=K, V=V, BT=BT,
+           BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=s.prec, num_warps=s.scan_warps)
+    o = torch.empty_like(v)
+    launch(_fwd_out, (NT, H), r, k, v, w, u, h, o, cu, chunk_index, scale, H=H, K=K, V=V, BT=BT, BK=BK,
+           BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.out_warps)
+    return o, ht, h
+
+
+def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, do, dht, s: Settings):
+    from kernels.rwkv6.bwd import _bwd_chunk, _bwd_scan
+
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = s.chunk, max(16, next_pow2(K))
+    chunk_offsets, chunk_index, NT = tables
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    dh = torch.empty(NT, H, K, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    BV = s.scan_tile(V, N * H)
+    launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), r, w, do, cu, chunk_offsets, dht, dh, dh0, scale, H=H, K=K, V=V,
+           BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=s.prec,
+           num_warps=s.scan_warps)
+    dr, dk, dv, dw = (torch.empty_like(x) for x in (r, k, v, w))
+    # each chunk's share of du (spare chunks of a packed batch write nothing: zeros)
+    du = torch.zeros(NT, H, K, **f32)
+    launch(_bwd_chunk, (NT, H), r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, scale, H=H, K=K,
+           V=V, BT=BT, BK=BK, BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.bwd_warps)
+    return dr, dk, dv, dw, du.sum(0).to(u.dtype), dh0
+
+
+class _ChunkRWKV6(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, k, v, w, u, scale, h0, want_ht, cu, tables, settings):
+        o, ht, h = _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, settings)
+        ctx.save_for_backward(r, k, v, w, u, h0, cu, h)
+        ctx.scale, ctx.tables, ctx.settings = scale, tables, settings
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        r, k, v, w, u, h0, cu, h = ctx.saved_tensors
+        dr, dk, dv, dw, du, dh0 = _bwd(r, k, v, w, u, ctx.scale, h0, cu, h, ctx.tables, do.contiguous(),
+                                       None if dht is None else dht.contiguous(), ctx.settings)
+        return dr, dk, dv, dw, du, None, dh0, None, None, None, None
+
+
+# Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
+# tracing into the kernel launches.
+@torch.compiler.disable
+def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, s: Settings):
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+    cu = as_varlen(B, T, cu_seqlens, r.device)
+    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    # The decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels).
+    r_, k_, v_ = (flat(x) for x in (r, k, v))
+    w_ = flat(w.float())
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    tables = chunk_tables(cu, s.chunk, B * T, T if cu_seqlens is None else None)
+    o, ht = _ChunkRWKV6.apply(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
+                              tables, s)
+    return o.reshape(B, T, H, V), ht
 
 
 def chunk_rwkv6(r, k, v, w, u, scale: float | None = None, initial_state=None, output_final_state: bool = False,
@@ -37,9 +142,16 @@ def chunk_rwkv6(r, k, v, w, u, scale: float | None = None, initial_state=None, o
     if scale is None:
         scale = r.shape[-1] ** -0.5
     if backend is None:
-        backend = "triton" if r.is_cuda else "torch"
+        backend = "triton" if r.is_cuda and triton is not None else "torch"
     if backend == "torch":
         return chunk_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     if backend != "triton":
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    raise NotImplementedError("chunk_rwkv6: the Triton kernel is not written yet (use backend='torch')")
+    return _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                               settings or Settings())
+
+
+try:
+    import triton
+except ImportError:  # the torch path needs no Triton
+    triton = None

@@ -1,0 +1,108 @@
+"""Triton backward of chunked RWKV-6 (derivation in README.md).
+
+  _bwd_scan   (per sequence, head and V tile, chunks last to first): the state gradient dS (fp32), stored at each
+              chunk's end as dh; dS at t = 0 is dh0.
+  _bwd_chunk  (per chunk and head, all at once): A again (cheaper than storing it), dv, then dA pushed back through
+              the halving levels to r and k, the log-decay gradients summed in reverse to dw, and the chunk's share
+              of du (summed over chunks by the launch code).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.rwkv6.fwd import chunk_decays, level_sums, pairwise
+from kernels.tl_utils import (chunk_program, decay_on, diag_of, load_cols, load_rows, load_state, sequence_span,
+                               spare_chunk, store_rows)
+
+
+@triton.jit
+def _bwd_scan(r, w, do, cu, chunk_offsets, dht, dh, dh0, scale, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
+              STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+    """dS <- diag(e^{g_C}) dS + scale (r e^{ge})^T do over a sequence's chunks, last to first."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, count, c0 = sequence_span(cu, chunk_offsets, i_n, BT)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cv = i_v * BV + tl.arange(0, BV)
+    m_v = cv < V
+    s_off = ck[:, None] * V + cv[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS = load_state(dht, (i_n * H + i_h).to(tl.int64) * K * V, ck, cv, V, m_k, m_v)
+    for j in range(count):
+        i = count - 1 - j
+        tok = bos + i * BT + rows
+        m_t = tok < eos
+        tl.store(dh + ((c0 + i) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
+        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        before = tl.cumsum(wT, axis=1) - wT
+        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(before, 0.))
+        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
+        dS = tl.exp(tl.sum(wT, axis=1))[:, None] * dS + scale * tl.dot(r_decT, b_do, input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
+
+
+@triton.jit
+def _bwd_chunk(r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, scale,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    if spare_chunk(cu, chunk_index, BT):
+        return
+    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
+    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
+    b_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
+    A = pairwise(b_r, b_k, b_w, b_u, rows, BT, BK, LEVELS, PREC)
+    e_before, e_after = chunk_decays(b_w)
+    k_end = b_k * e_after
+
+    d_rS = tl.zeros([BT, BK], dtype=tl.float32)    # do h^T: the output's read of the entering state
+    d_kS = tl.zeros([BT, BK], dtype=tl.float32)    # v dh^T: the writes' reach to the chunk's end
+    dA = tl.zeros([BT, BT], dtype=tl.float32)      # do v^T (the output's scale included, as in do below)
+    d_gC = tl.zeros([BK], dtype=tl.float32)
+    h_base = (i_c * H + i_h).to(tl.int64) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        S0 = load_state(h, h_base, ck, cv, V, m_k, m_v)
+        dSC = load_state(dh, h_base, ck, cv, V, m_k, m_v)
+        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v) * scale
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        d_rS += tl.dot(b_do, tl.trans(S0), input_precision=PREC)
+        d_kS += tl.dot(b_v, tl.trans(dSC), input_precision=PREC)
+        dA += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        d_gC += tl.sum(S0 * dSC, axis=1)
+        b_dv = tl.dot(tl.trans(A), b_do, input_precision=PREC) + tl.dot(k_end, dSC, input_precision=PREC)
+        store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
+
+    d_r = e_before * d_rS
+    d_k = e_after * d_kS
+    # the chunk-end decay: S_C = e^{g_C} S_0 + sum_s (k_s e^{g_C - g_s})^T v_s
+    d_gC = d_gC * tl.exp(tl.sum(b_w, axis=0)) + tl.sum(b_k * d_k, axis=0)
+    # A back to its factors, level by level as in the forward: dr_t = e_row(t) sum_s dA[t, s] k^_s and
+    # dk_s = e_col(s) sum_t dA[t, s] r^_t
+    for lvl in tl.static_range(LEVELS):
+        to_row, from_col, second, first, pair = level_sums(b_w, rows, BT, BK, BT >> lvl)
+        e_row = decay_on(second, to_row)
+        e_col = decay_on(first, from_col)
+        m_pair = tl.where(pair, dA, 0.)
+        d_r += e_row * tl.dot(m_pair, b_k * e_col, input_precision=PREC)
+        d_k += e_col * tl.dot(tl.trans(m_pair), b_r * e_row, input_precision=PREC)
+    # log-decay gradients: every r_t reads +ge_t, every k_s -g_s, the chunk end +g_C (every step of the chunk)
+    d_ge = b_r * d_r
+    dw_ = tl.cumsum(d_ge - b_k * d_k, axis=0, reverse=True) - d_ge + d_gC[None, :]
+    # the bonus: A[t, t] = r_t . (u * k_t)
+    dD = diag_of(dA, rows, rows)[:, None]
+    d_r += dD * b_u[None, :] * b_k
+    d_k += dD * b_u[None, :] * b_r
+    tl.store(du + (i_c * H + i_h).to(tl.int64) * K + ck, tl.sum(dD * b_r * b_k, axis=0), mask=m_k)
+    store_rows(dr, d_r, tok, i_h, H, K, ck, m_t, m_k)
+    store_rows(dk, d_k, tok, i_h, H, K, ck, m_t, m_k)
+    store_rows(dw, dw_, tok, i_h, H, K, ck, m_t, m_k)

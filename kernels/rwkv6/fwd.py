@@ -1,0 +1,107 @@
+"""Triton forward of chunked RWKV-6 (math and notation in README.md).
+
+Launches:
+  _fwd_scan  (one program per sequence, head and V tile, chunks in order): the state entering every chunk, stored
+             as h (the output and the backward read it), and the final state;
+  _fwd_out   (one program per chunk and head, all chunks at once): the chunk's pairwise matrix A (by halving, one
+             product per level, the bonus on its diagonal) and the output o = scale (r e^{ge} h + A v).
+Every exp() argument is <= 0 by construction: a decay is a sum of log decays over a span of steps, never a
+difference of cumulative sums that can exceed 0, and masked entries never reach the exp (tl_utils.decay_on).
+Inputs are packed sequences [1, T_total, H, *]; w and the states are fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.tl_utils import (chunk_program, first_half, half_cumsum, load_cols, load_rows, load_state, pair_mask,
+                               decay_on, second_half, sequence_span, spare_chunk, store_rows)
+
+
+@triton.jit
+def level_sums(w, rows, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+    """One halving level of a token-major [BT, BK] chunk (tl_utils' halving levels, blocks of BS rows): for rows t
+    of a second half ge_t - g_m (the log decays strictly between the middle row m and t), for rows s of a first
+    half g_m - g_s (those after s up to m); the half masks [BT, 1] and the pair mask [BT, BT]."""
+    to_row = half_cumsum(w, BT, BK, BS // 2) - w
+    from_col = half_cumsum(w, BT, BK, BS // 2, True) - w
+    return to_row, from_col, second_half(rows, BS)[:, None], first_half(rows, BS)[:, None], pair_mask(rows, rows, BS)
+
+
+@triton.jit
+def chunk_decays(w):
+    """Of a token-major [BT, BK] chunk of log decays: exp(ge_t) (the steps before t) and exp(g_C - g_t) (the steps
+    after t), each a sum of log decays over the span itself, clamped to <= 0 against rounding."""
+    before = tl.cumsum(w, axis=0) - w
+    after = tl.cumsum(w, axis=0, reverse=True) - w
+    return tl.exp(tl.minimum(before, 0.)), tl.exp(tl.minimum(after, 0.))
+
+
+@triton.jit
+def pairwise(b_r, b_k, b_w, b_u, rows, BT: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
+             PREC: tl.constexpr):
+    """A [BT, BT]: A[t, s] = sum_k r_tk k_sk exp(ge_tk - g_sk) for s < t and r_t . (u * k_t) on the diagonal. By
+    halving: a pair (t, s) straddling the middle m of its block factors as exp(ge_t - g_m) exp(g_m - g_s), both
+    sums over at most BS/2 steps, so each level is one product."""
+    A = tl.where(rows[:, None] == rows[None, :], tl.sum(b_r * b_u[None, :] * b_k, axis=1)[:, None], 0.)
+    for lvl in tl.static_range(LEVELS):
+        to_row, from_col, second, first, pair = level_sums(b_w, rows, BT, BK, BT >> lvl)
+        r_hat = b_r * decay_on(second, to_row)
+        k_hat = b_k * decay_on(first, from_col)
+        A += tl.where(pair, tl.dot(r_hat, tl.trans(k_hat), input_precision=PREC), 0.)
+    return A
+
+
+@triton.jit
+def _fwd_scan(k, v, w, cu, chunk_offsets, h0, h, ht, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+              PREC: tl.constexpr):
+    """S <- diag(e^{g_C}) S + (k e^{g_C - g})^T v over a sequence's chunks, storing the state entering each chunk."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos, count, c0 = sequence_span(cu, chunk_offsets, i_n, BT)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cv = i_v * BV + tl.arange(0, BV)
+    m_v = cv < V
+    s_off = ck[:, None] * V + cv[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S = load_state(h0, (i_n * H + i_h).to(tl.int64) * K * V, ck, cv, V, m_k, m_v)
+    for i in range(count):
+        tok = bos + i * BT + rows
+        m_t = tok < eos
+        tl.store(h + ((c0 + i) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+        # feature-major [BK, BT]: the decay sums run along the tokens; padded tokens load w = 0, k = v = 0
+        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
+        after = tl.cumsum(wT, axis=1, reverse=True) - wT
+        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(after, 0.))
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        S = tl.exp(tl.sum(wT, axis=1))[:, None] * S + tl.dot(k_endT, b_v, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+
+
+@triton.jit
+def _fwd_out(r, k, v, w, u, h, o, cu, chunk_index, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    if spare_chunk(cu, chunk_index, BT):
+        return
+    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
+    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
+    b_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
+    A = pairwise(b_r, b_k, b_w, b_u, rows, BT, BK, LEVELS, PREC)
+    e_before, _ = chunk_decays(b_w)
+    r_dec = b_r * e_before
+    h_base = (i_c * H + i_h).to(tl.int64) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        S0 = load_state(h, h_base, ck, cv, V, m_k, m_v)
+        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        b_o = tl.dot(r_dec, S0, input_precision=PREC) + tl.dot(A, b_v, input_precision=PREC)
+        store_rows(o, b_o * scale, tok, i_h, H, V, cv, m_t, m_v)
