@@ -3,14 +3,15 @@
     python -m flame.convert SRC DST [--to flame|fla|rwkv-lm] [--tokenizer PATH] [--step N]
 
 SRC, detected by what it holds:
-  - an RWKV-LM RWKV-7 (x070) checkpoint: a .pth file of RWKV-LM-named tensors (settings read off their shapes);
+  - an RWKV-LM RWKV-7 (x070) or RWKV-6 (x060) checkpoint: a .pth file of RWKV-LM-named tensors (version and
+    settings read off their names and shapes);
   - an FLA / Hugging Face folder: config.json with model_type rwkv7 or gsa, weights as model.safetensors, sharded
     safetensors (model.safetensors.index.json) or pytorch_model.bin;
   - a flame export folder (config.json with "model", model.safetensors: python -m flame.export writes these);
   - a flame run folder: its newest complete checkpoint, or --step N (any number of ranks saved it).
 DST, by --to: flame (default) an export folder for flame.export.load_exported and checkpoint.init_from; fla a folder
 that AutoModelForCausalLM.from_pretrained loads with fla installed; rwkv-lm a .pth that RWKV-LM and the rwkv package
-load (RWKV-7 only). DST is written whole or not at all, and must not exist yet.
+load (RWKV-7 and RWKV-6). DST is written whole or not at all, and must not exist yet.
 
 Tokenizers travel along: tokenizer.json, or RWKV's World vocabulary under its own name. --tokenizer PATH (a
 tokenizer.json, a World .txt, a folder holding one, or "rwkv-world") attaches one instead. An RWKV-LM .pth holds
@@ -18,7 +19,8 @@ none: vocabulary 65536 gets the World vocabulary of the installed rwkv package, 
 tokenizer.json.
 
 Bad input (a missing SRC, an unknown format or model type, a missing, extra or misshapen tensor) is one line on
-stderr naming the file and the tensor, and exit code 2.
+stderr naming the file and the tensor, and exit code 2. Reading and writing each end with a line and its time on
+stderr when it is a terminal or the stage was slow (flame.export.stage).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from flame.convert_fla import is_fla_folder, read_fla, write_fla
 from flame.convert_rwkv_lm import read_rwkv_lm, write_rwkv_lm
 from flame.data.tokenizer import WORLD_MODEL_VOCAB, WORLD_SPEC
 from flame.export import (ConvertError, ModelState, is_export_folder, is_run_folder, load_weights, read_export,
-                          read_run, tokenizer_files, write_export)
+                          read_run, stage, tokenizer_files, write_export)
 
 TARGETS = ("flame", "fla", "rwkv-lm")
 NEOX_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "gpt-neox-20b" / "tokenizer.json"
@@ -107,10 +109,12 @@ def convert(src: str | Path, dst: str | Path, to: str = "flame", tokenizer: str 
     attached = tokenizer_files(tokenizer, "--tokenizer") if tokenizer is not None else None
     if attached == {}:
         raise ConvertError(f"--tokenizer {tokenizer!r}: not a local tokenizer file or folder (hub ids are not fetched)")
-    model = read_model(src, step)
+    with stage(f"read {src} ({detect(Path(src))})"):
+        model = read_model(src, step)
     if attached is not None:
         model.tokenizer = attached
-    write_model(model, dst, to)
+    with stage(f"wrote {dst} ({to})"):
+        write_model(model, dst, to)
     return model
 
 

@@ -22,6 +22,7 @@ MODELS: dict[str, tuple[type[nn.Module], type]] = {}
 _MODULES = {
     "transformer": "flame.models.transformer",
     "rwkv7": "flame.models.rwkv7",
+    "rwkv6": "flame.models.rwkv6",
     "gsa": "flame.models.gsa",
 }
 

@@ -1,0 +1,312 @@
+"""RWKV-6 "Finch": time mixing through data-dependent decay (kernels.rwkv6), sqrelu channel mixing with a gate.
+
+Follows the official RWKV-LM RWKV-6 (x060, RWKV-v5/src/model.py) definition and training: data-dependent token
+shift (the time_maa lerps, moved per token by a low-rank tanh path), data-dependent decay (time_decay plus a low-rank
+tanh path; log decay = -exp(.) in fp32), the per-head bonus u (time_faaaa), per-head GroupNorm, SiLU output gate;
+channel mix with squared ReLU and a sigmoid receptance gate; pre-LayerNorm blocks with an extra LayerNorm on the
+embeddings, final LayerNorm, untied head. Initialized as RWKV-LM's module constructors and then its
+generate_init_weight leave the weights; optimizer groups and L2Wrap as RWKV-LM trains it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flame.config import ModelArgs, check
+from flame.models import register
+from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
+from flame.models.rwkv7 import _ortho, cached_token_shift, last_tokens, token_shift
+from flame.optim import ParamGroup, trainable_parameters
+from kernels.rwkv6 import chunk_rwkv6
+from kernels.rwkv6.step import recurrent_step
+
+LN_X_EPS = 64e-5
+"""RWKV-LM's ln_x eps for x060: 1e-5 * head_size_divisor ** 2, with its default divisor 8."""
+MIXES = ("w", "k", "v", "r", "g")
+"""The five token-shift mixes of the time mix, in RWKV-LM's order (the rows of maa, the blocks of maa_w1 / maa_w2)."""
+
+
+@dataclass
+class RWKV6Args(ModelArgs):
+    name: str = "rwkv6"
+    hidden_size: int = 1024
+    num_layers: int = 24
+    head_dim: int = 64
+    mix_low_rank: int = 32
+    """Width of each of the five token-shift mix paths (RWKV-LM's D_MIX_LORA)."""
+    decay_low_rank: int = 64
+    """Width of the decay path (RWKV-LM's D_DECAY_LORA)."""
+    ffn_size: int | None = None
+    """Channel-mixing width; None = RWKV-LM's int(3.5 * hidden_size) // 32 * 32."""
+    norm_eps: float = 1e-5
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the output projection + cross entropy."""
+    l2wrap: bool = True
+    """RWKV-LM trains RWKV-6 with L2Wrap (see ModelArgs.l2wrap)."""
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("hidden_size", "num_layers", "head_dim", "mix_low_rank", "decay_low_rank"):
+            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
+        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
+              self.head_dim)
+        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
+              self.num_layers)
+        if self.ffn_size is not None:
+            check(self.ffn_size >= 1, "model.ffn_size", "an integer >= 1 (or unset)", self.ffn_size)
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn_size or int(self.hidden_size * 3.5) // 32 * 32
+
+
+@dataclass
+class RWKV6LayerCache:
+    """One layer's part of a cache (see RWKV6Cache); updated in place by each cached pass."""
+
+    attn_x: torch.Tensor
+    """[B, C] the time mix's input (after attn_norm) at each sequence's last token: the next token's shift."""
+    ffn_x: torch.Tensor
+    """[B, C] the channel mix's input (after ffn_norm) at each sequence's last token."""
+    state: torch.Tensor
+    """[B, H, K, V] fp32, the matrix state after each sequence's last token."""
+
+
+@dataclass
+class RWKV6Cache:
+    """What continues B sequences: per layer the two token-shift inputs and the matrix state (constant size)."""
+
+    layers: list[RWKV6LayerCache]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, in a fixed order: what a CUDA graph of decode reads and writes in place."""
+        return [t for layer in self.layers for t in vars(layer).values()]
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].state.shape[0]
+
+
+class TimeMix(nn.Module):
+    def __init__(self, args: RWKV6Args, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        C, N, D = args.hidden_size, args.head_dim, args.mix_low_rank
+        self.n_heads = C // N
+        self.maa_x = nn.Parameter(torch.empty(C))                 # the lerp that feeds the mix paths
+        self.maa = nn.Parameter(torch.empty(len(MIXES), C))       # base lerps for w, k, v, r, g
+        self.maa_w1 = nn.Parameter(torch.empty(C, len(MIXES) * D))
+        self.maa_w2 = nn.Parameter(torch.empty(len(MIXES), D, C))
+        self.decay = nn.Parameter(torch.empty(C))                 # w = -exp(decay + low-rank path)
+        self.decay_w1 = nn.Parameter(torch.empty(C, args.decay_low_rank))
+        self.decay_w2 = nn.Parameter(torch.empty(args.decay_low_rank, C))
+        self.bonus = nn.Parameter(torch.empty(self.n_heads, N))  # u: the current token's extra weight
+        self.r_proj = nn.Linear(C, C, bias=False)
+        self.k_proj = nn.Linear(C, C, bias=False)
+        self.v_proj = nn.Linear(C, C, bias=False)
+        self.g_proj = nn.Linear(C, C, bias=False)
+        self.o_proj = nn.Linear(C, C, bias=False)
+        self.ln_x = nn.GroupNorm(self.n_heads, C, eps=LN_X_EPS)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        C, L, i = self.args.hidden_size, self.args.num_layers, self.layer_id
+        ratio_0_to_1 = i / (L - 1)
+        ratio_1_to_almost0 = 1.0 - i / L
+        dev = self.maa.device
+        ddd = torch.arange(C, device=dev, dtype=torch.float32) / C
+        self.maa_x.copy_(1.0 - ddd ** ratio_1_to_almost0)
+        full, half = ddd ** ratio_1_to_almost0, ddd ** (0.5 * ratio_1_to_almost0)
+        rows = {"w": 1.0 - full, "k": 1.0 - full, "v": 1.0 - (full + 0.3 * ratio_0_to_1), "r": 1.0 - half,
+                "g": 1.0 - half}
+        self.maa.copy_(torch.stack([rows[m] for m in MIXES]))
+        n = torch.arange(C, device=dev, dtype=torch.float32)
+        self.decay.copy_(-6 + 5 * (n / (C - 1)) ** (0.7 + 1.3 * ratio_0_to_1))
+        zigzag = ((n + 1) % 3 - 1) * 0.1
+        self.bonus.copy_((ratio_0_to_1 * (1 - n / (C - 1)) + zigzag).view_as(self.bonus))
+        # the low-rank paths start as constants: zero down-projections, small random up-projections
+        nn.init.zeros_(self.maa_w1)
+        nn.init.uniform_(self.maa_w2, -0.01, 0.01)
+        nn.init.zeros_(self.decay_w1)
+        nn.init.uniform_(self.decay_w2, -0.01, 0.01)
+        # the projections and ln_x as RWKV-LM's generate_init_weight leaves them (it overrides the module's init)
+        nn.init.orthogonal_(self.r_proj.weight, gain=1.0)
+        nn.init.orthogonal_(self.k_proj.weight, gain=0.1)
+        nn.init.orthogonal_(self.v_proj.weight, gain=1.0)
+        nn.init.orthogonal_(self.g_proj.weight, gain=0.1)
+        nn.init.zeros_(self.o_proj.weight)
+        self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
+        nn.init.zeros_(self.ln_x.bias)
+
+    def forward(self, x, keep, cu_seqlens, cache: RWKV6LayerCache | None = None):
+        """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
+        continue their cached sequences; the cached pass reads and updates the cache in place."""
+        B, T, C = x.shape
+        H, N, D = self.n_heads, self.args.head_dim, self.args.mix_low_rank
+        xx = (token_shift(x, keep) if cache is None else cached_token_shift(x, cache.attn_x, keep, cu_seqlens)) - x
+        lora = torch.tanh((x + xx * self.maa_x.to(x.dtype)) @ self.maa_w1).view(B, T, len(MIXES), D)
+        shifts = torch.einsum("btmd,mdc->mbtc", lora, self.maa_w2.to(x.dtype)) + self.maa[:, None, None].to(x.dtype)
+        xw, xk, xv, xr, xg = x[None] + xx[None] * shifts
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        g = F.silu(self.g_proj(xg))
+        # The log decay in fp32: the slow channels' exp(-exp(.)) sits within 1e-3 of 1, which bf16 cannot hold.
+        z = self.decay.float() + torch.tanh((xw @ self.decay_w1).float()) @ self.decay_w2.float()
+        w = -torch.exp(z)
+        heads = lambda t: t.view(B, T, H, N)  # noqa: E731
+        if cache is None:
+            o, _ = chunk_rwkv6(heads(r), heads(k), heads(v), heads(w), self.bonus, scale=1.0, cu_seqlens=cu_seqlens)
+        else:
+            o = self.cached_op(heads(r), heads(k), heads(v), heads(w), self.bonus, cu_seqlens, cache.state)
+        o = F.group_norm(o.reshape(B * T, C).float(), H, self.ln_x.weight.float(), self.ln_x.bias.float(),
+                         self.ln_x.eps).view(B, T, C)
+        return self.o_proj(o.to(x.dtype) * g)
+
+    @staticmethod
+    def cached_op(r, k, v, w, u, cu_seqlens, state):
+        """The recurrence from `state` (updated in place): one step for one token per row (never the prefix), else
+        the chunk op from the cached states."""
+        if cu_seqlens is None and r.shape[1] == 1:
+            o, new_state = recurrent_step(r[:, 0], k[:, 0], v[:, 0], w[:, 0], u, state, scale=1.0)
+            o = o[:, None]
+        else:
+            o, new_state = chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=state, output_final_state=True,
+                                       cu_seqlens=cu_seqlens)
+        state.copy_(new_state)
+        return o
+
+
+class ChannelMix(nn.Module):
+    def __init__(self, args: RWKV6Args, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        C = args.hidden_size
+        self.maa_k = nn.Parameter(torch.empty(C))
+        self.maa_r = nn.Parameter(torch.empty(C))
+        self.key = nn.Linear(C, args.ffn_width, bias=False)
+        self.receptance = nn.Linear(C, C, bias=False)
+        self.value = nn.Linear(args.ffn_width, C, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        C = self.args.hidden_size
+        ratio_1_to_almost0 = 1.0 - self.layer_id / self.args.num_layers
+        ddd = torch.arange(C, device=self.maa_k.device, dtype=torch.float32) / C
+        self.maa_k.copy_(1.0 - ddd ** ratio_1_to_almost0)
+        self.maa_r.copy_(1.0 - ddd ** ratio_1_to_almost0)
+        nn.init.orthogonal_(self.key.weight, gain=1.0)   # [F, C], F > C: orthonormal columns
+        nn.init.zeros_(self.receptance.weight)          # the gate starts at sigmoid(0) = 1/2 everywhere
+        nn.init.zeros_(self.value.weight)
+
+    def forward(self, x, keep, cu_seqlens=None, cache: RWKV6LayerCache | None = None):
+        shifted = token_shift(x, keep) if cache is None else cached_token_shift(x, cache.ffn_x, keep, cu_seqlens)
+        xx = shifted - x
+        k = torch.relu(self.key(x + xx * self.maa_k.to(x.dtype))).square()
+        return torch.sigmoid(self.receptance(x + xx * self.maa_r.to(x.dtype))) * self.value(k)
+
+
+class Block(nn.Module):
+    def __init__(self, args: RWKV6Args, layer_id: int):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.attn = TimeMix(args, layer_id)
+        self.ffn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.ffn = ChannelMix(args, layer_id)
+
+    def forward(self, x, keep, cu_seqlens, cache: RWKV6LayerCache | None = None):
+        x = x + self.attn(self.attn_norm(x), keep, cu_seqlens, cache)
+        return x + self.ffn(self.ffn_norm(x), keep, cu_seqlens, cache)
+
+
+@register("rwkv6", RWKV6Args)
+class RWKV6(LanguageModel):
+    def __init__(self, args: RWKV6Args):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)   # RWKV's ln0, before layer 0
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        a = self.args
+        nn.init.uniform_(self.embed.weight, -1e-4, 1e-4)
+        # orthogonal head with gain 0.5 sqrt(V / C): logits start with std ~0.5, so the first loss is ~ln(V)
+        _ortho(self.lm_head.weight, 0.5 * (a.vocab_size / a.hidden_size) ** 0.5 if a.vocab_size > a.hidden_size
+               else 0.5, gain_from_shape=False)
+        for norm in (self.embed_norm, self.norm):
+            norm.reset_parameters()
+        for block in self.layers:
+            block.attn_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+            block.attn.reset_parameters()
+            block.ffn.reset_parameters()
+
+    def forward(self, input_ids, labels=None, cu_seqlens=None):
+        B, T = input_ids.shape
+        if cu_seqlens is not None:
+            input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
+        x = self.hidden(input_ids, cu_seqlens)
+        return self.logits_or_loss_sum(x, labels, B, T)
+
+    def hidden(self, input_ids, cu_seqlens=None, cache: RWKV6Cache | None = None):
+        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
+        keep = None
+        if cu_seqlens is not None:
+            n = input_ids.shape[1]
+            keep = torch.ones(n, 1, device=input_ids.device)
+            keep[cu_seqlens[:-1].long().clamp_max(n - 1)] = 0
+        x = self.embed_norm(self.embed(input_ids))
+        if keep is not None:
+            keep = keep.to(x.dtype)
+        for i, block in enumerate(self.layers):
+            x = block(x, keep, cu_seqlens, None if cache is None else cache.layers[i])
+        return x
+
+    def empty_cache(self, batch_size: int) -> RWKV6Cache:
+        """Zero states for batch_size sequences (what no token has touched yet)."""
+        a, p, B = self.args, self.embed.weight, batch_size
+        H, N = a.hidden_size // a.head_dim, a.head_dim
+        return RWKV6Cache([RWKV6LayerCache(p.new_zeros(B, a.hidden_size), p.new_zeros(B, a.hidden_size),
+                                           p.new_zeros(B, H, N, N, dtype=torch.float32)) for _ in self.layers])
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]):
+        ids, cu_seqlens = packed_prompts(prompts, self.embed.weight.device)
+        cache = self.empty_cache(len(prompts))
+        x = last_tokens(self.hidden(ids, cu_seqlens, cache), cu_seqlens)
+        return self.logits_or_loss_sum(x[:, None], None, len(prompts), 1)[:, 0], cache
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache: RWKV6Cache, all_logits: bool = False):
+        x = self.hidden(input_ids, None, cache)
+        if not all_logits:
+            x = x[:, -1:]
+        return self.logits_or_loss_sum(x, None, x.shape[0], x.shape[1]), cache
+
+    def optimizer_groups(self) -> list[ParamGroup]:
+        """RWKV-LM's x060 groups (layerwise_lr on, outside its pile stage 2): the decay bias time_decay at twice the
+        learning rate; the weights of the linear layers (head included) and the embedding with weight decay;
+        everything else (the low-rank paths, the lerps, the bonus, norms) at 1x without decay."""
+        tables = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        lr_2x, decay, lr_1x = [], [], []
+        for name, p in trainable_parameters(self).items():
+            if name.endswith(".attn.decay"):
+                lr_2x.append(name)
+            elif id(p) in tables:
+                decay.append(name)
+            else:
+                lr_1x.append(name)
+        return [ParamGroup("decay", decay, weight_decay=True), ParamGroup("lr_1x", lr_1x, weight_decay=False),
+                ParamGroup("lr_2x", lr_2x, weight_decay=False, lr_scale=2.0)]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x matmul parameters (head included) + the recurrence: ~3 passes over a K x V state per token and head
+        (decay and k v^T update, read o = S^T r), 2 FLOPs each, times 3 for fwd + bwd."""
+        a = self.args
+        return 6 * self.matmul_params() + 18 * a.num_layers * a.hidden_size * a.head_dim

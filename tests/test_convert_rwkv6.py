@@ -1,0 +1,168 @@
+"""flame.convert for RWKV-6: an RWKV-LM x060 .pth converted into flame gives the rwkv package's RWKV-6 logits (RNN
+mode token by token, sequence mode, packed documents), the round trip through RWKV-LM is bit-exact, foreseeable bad
+input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from flame.convert import main
+from flame.export import load_exported, read_export
+
+LAYERS, WIDTH, HEAD, VOCAB = 2, 128, 64, 300
+MIX_RANK, DECAY_RANK, FFN = 16, 24, 448   # ranks unlike RWKV-LM's defaults, so the widths must come from the shapes
+
+
+def rwkv_lm_checkpoint(layers=LAYERS, width=WIDTH, head=HEAD, vocab=VOCAB, seed=0) -> dict:
+    """Random tensors under RWKV-LM's x060 names and shapes, every one nonzero and of a scale where every path
+    moves the logits (decays spread over exp(-exp(-2..0)), a bonus and gates away from their init)."""
+    g = torch.Generator().manual_seed(seed)
+    C, H = width, width // head
+
+    def normal(*shape, std=1.0, mean=0.0):
+        return mean + std * torch.randn(*shape, generator=g)
+
+    def norm(prefix):
+        return {f"{prefix}.weight": normal(C, std=0.1, mean=1.0), f"{prefix}.bias": normal(C, std=0.1)}
+
+    sd = {"emb.weight": normal(vocab, C), **norm("blocks.0.ln0")}
+    for i in range(layers):
+        b, att, ffn = f"blocks.{i}.", f"blocks.{i}.att.", f"blocks.{i}.ffn."
+        sd.update(norm(b + "ln1"))
+        sd.update(norm(b + "ln2"))
+        for x in ("x", "w", "k", "v", "r", "g"):
+            sd[f"{att}time_maa_{x}"] = torch.rand(1, 1, C, generator=g)
+        sd[att + "time_maa_w1"] = normal(C, 5 * MIX_RANK, std=0.1)
+        sd[att + "time_maa_w2"] = normal(5, MIX_RANK, C, std=0.1)
+        sd[att + "time_decay"] = normal(1, 1, C, std=0.5, mean=-1.0)
+        sd[att + "time_decay_w1"] = normal(C, DECAY_RANK, std=0.1)
+        sd[att + "time_decay_w2"] = normal(DECAY_RANK, C, std=0.1)
+        sd[att + "time_faaaa"] = normal(H, head, std=0.5)
+        for name in ("receptance", "key", "value", "output", "gate"):
+            sd[f"{att}{name}.weight"] = normal(C, C, std=C ** -0.5)
+        sd.update(norm(att + "ln_x"))
+        sd[ffn + "time_maa_k"] = torch.rand(1, 1, C, generator=g)
+        sd[ffn + "time_maa_r"] = torch.rand(1, 1, C, generator=g)
+        sd[ffn + "key.weight"] = normal(FFN, C, std=C ** -0.5)
+        sd[ffn + "receptance.weight"] = normal(C, C, std=C ** -0.5)
+        sd[ffn + "value.weight"] = normal(C, FFN, std=FFN ** -0.5)
+    sd.update(norm("ln_out"))
+    sd["head.weight"] = normal(vocab, C, std=C ** -0.5)
+    return sd
+
+
+def convert(*argv) -> None:
+    main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def pth(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rwkv_lm") / "model.pth"
+    torch.save(rwkv_lm_checkpoint(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(pth, tmp_path_factory):
+    out = tmp_path_factory.mktemp("flame") / "export"
+    convert(pth, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rwkv_package(pth):
+    """The rwkv package's RWKV class (which detects x060 and runs RWKV_x060's math, CPU fp32, no TorchScript), from
+    a private copy of rwkv/model.py: the shared module may have been imported with RWKV_V7_ON, which replaces that
+    class. Importing it switches global torch settings (TF32, cuDNN benchmark); they are put back."""
+    pytest.importorskip("rwkv")
+    import rwkv
+
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    env = {k: os.environ.get(k) for k in ("RWKV_V7_ON", "RWKV_JIT_ON")}
+    os.environ.update(RWKV_V7_ON="0", RWKV_JIT_ON="0")
+    os.environ.setdefault("RWKV_CUDA_ON", "0")    # read at every forward
+    try:
+        spec = importlib.util.spec_from_file_location("rwkv_model_x060", os.path.join(rwkv.__path__[0], "model.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.RWKV(str(pth.with_suffix("")), "cpu fp32", verbose=False)   # it appends .pth itself
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = saved
+        for k, v in env.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
+    assert model.version == 6.0
+    return model
+
+
+def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The rwkv package in RNN mode, one token at a time from a fresh state."""
+    state, out = None, []
+    for t in tokens:
+        logits, state = model.forward([t], state)
+        out.append(logits)
+    return torch.stack(out)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package):
+    model = load_exported(exported).eval()
+    ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        single = model(ids)[0]
+        packed = model(ids, cu_seqlens=torch.tensor([0, 23, 64]))[0]   # two documents in one row
+    tokens = ids[0].tolist()
+    assert relative(single, rnn_logits(rwkv_package, tokens)) < 1e-4
+    sequence, _ = rwkv_package.forward(tokens, None, full_output=True)   # its sequence mode
+    assert relative(single, sequence) < 1e-4
+    apart = torch.cat([rnn_logits(rwkv_package, tokens[:23]), rwkv_package.forward(tokens[23:], None,
+                                                                                   full_output=True)[0]])
+    assert relative(packed, apart) < 1e-4
+    args = read_export(exported).args   # the settings came from the shapes
+    assert (args.name, args.num_layers, args.hidden_size, args.head_dim, args.vocab_size) == \
+        ("rwkv6", LAYERS, WIDTH, HEAD, VOCAB)
+    assert (args.mix_low_rank, args.decay_low_rank, args.ffn_width) == (MIX_RANK, DECAY_RANK, FFN)
+
+
+def test_flame_to_rwkv_lm_and_back_is_bit_exact(pth, exported, tmp_path):
+    out = tmp_path / "again.pth"
+    convert(exported, out, "--to", "rwkv-lm")
+    original, written = torch.load(pth), torch.load(out)
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
+    assert all(torch.equal(written[k], original[k]) and written[k].dtype == torch.float32 for k in original)
+    back = tmp_path / "back"
+    convert(out, back)
+    a, b = read_export(exported), read_export(back)
+    assert a.args == b.args
+    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+
+
+def test_bad_input_is_one_line(pth, exported, tmp_path, capsys):
+    def fails(*argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            convert(*argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        return err
+
+    sd = rwkv_lm_checkpoint(seed=1)
+    del sd["blocks.1.att.time_decay_w2"]
+    torch.save(sd, tmp_path / "missing.pth")
+    assert "blocks.1.att.time_decay_w2" in fails(tmp_path / "missing.pth", tmp_path / "a")
+    sd = rwkv_lm_checkpoint(seed=1)
+    sd["blocks.1.ffn.value.weight"] = sd["blocks.1.ffn.value.weight"][:, :-32]
+    torch.save(sd, tmp_path / "misshapen.pth")
+    assert "blocks.1.ffn.value.weight" in fails(tmp_path / "misshapen.pth", tmp_path / "b")
+    # RWKV-5 (x052) has time_faaaa but no data-dependent mixes
+    sd = {k: v for k, v in rwkv_lm_checkpoint(seed=1).items() if "time_maa" not in k}
+    torch.save(sd, tmp_path / "x052.pth")
+    assert "x052" in fails(tmp_path / "x052.pth", tmp_path / "c")
+    assert "rwkv6" in fails(exported, tmp_path / "fla", "--to", "fla")   # FLA's RWKV-6 is not a target
