@@ -62,6 +62,18 @@ def gsa_inputs(B, T, H, D, M, device="cuda"):
     return [q, k, v, (-torch.expm1(f)).to(dt), f]
 
 
+def rwkv6_inputs(B, T, H, K, V, device="cuda"):
+    """As the RWKV-6 layer makes them: log decay -exp(d) in fp32 with d in RWKV-6's initial range [-6, -1] (so
+    [-0.37, -0.0025] per step), bonus u [H, K]."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    r, k = (torch.randn(B, T, H, K, device=device, dtype=dt) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=device, dtype=dt)
+    w = -torch.exp(torch.empty(B, T, H, K, device=device).uniform_(-6, -1))
+    u = (0.5 * torch.randn(H, K, device=device)).to(dt)
+    return [r, k, v, w, u]
+
+
 OPS = {
     # B=8 T=4096 takes the sequential scans, B=2 T=16384 the blocked ones (few sequence-heads)
     "rwkv7": Op("rwkv7", "kernels.rwkv7", ("B", "T", "H", "K", "V"),
@@ -77,4 +89,10 @@ OPS = {
               lambda fn, xs, s: fn(*xs, scale=1.0, backend="triton", settings=s)[0],
               # as FLA's GSA layer passes them: s and the log gate in bf16
               lambda fla, xs: fla.chunk_gsa(*xs[:4], xs[4].to(xs[0].dtype), scale=1.0)[0]),
+    # B=8 T=4096 takes wide V tiles in the scans, B=2 T=16384 narrow ones (few sequence-heads)
+    "rwkv6": Op("rwkv6", "kernels.rwkv6", ("B", "T", "H", "K", "V"),
+                ((8, 4096, 16, 64, 64), (2, 16384, 16, 64, 64)), rwkv6_inputs,
+                lambda fn, xs, s: fn(*xs, scale=1.0, backend="triton", settings=s)[0],
+                # as FLA's RWKV6 layer calls it: the log decay in the model's dtype, scale 1
+                lambda fla, xs: fla.chunk_rwkv6(xs[0], xs[1], xs[2], xs[3].to(xs[0].dtype), xs[4], scale=1.0)[0]),
 }

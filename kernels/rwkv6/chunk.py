@@ -28,9 +28,12 @@ class Settings:
     """Tiles and warps of the Triton kernel. Fixed values instead of autotuning: a first call compiles each kernel
     once (scripts/bench_kernels.py --set rwkv6.field=value times others)."""
 
-    chunk: int = 64
-    """Tokens per chunk (16, 32 or 64): longer chunks mean fewer sequential scan steps and fewer stored states, at
-    the price of a larger pairwise matrix per chunk."""
+    chunk: int = 32
+    """Tokens per chunk (16 or 32): longer chunks mean fewer sequential scan steps and fewer stored states, at the
+    price of a larger pairwise matrix per chunk; at 64 _bwd_chunk needs more shared memory than an H100 has."""
+    wide_k_chunk: int = 16
+    """Tokens per chunk where K > 64 (16 or 32): at K = 128 and chunks of 32, _bwd_chunk needs more shared memory
+    than an H100 has."""
     prec: str = "tf32"
     """Operand precision of every fp32 product ("tf32" or "ieee"): tf32 is enough for bf16 models; the interpreter
     computes exact fp32 whatever this says."""
@@ -47,7 +50,11 @@ class Settings:
     """Warps of _bwd_chunk (it holds A, dA and six [chunk, K] tiles at once)."""
 
     def __post_init__(self):
-        assert self.chunk in (16, 32, 64), f"rwkv6 Settings.chunk must be 16, 32 or 64, got {self.chunk}"
+        for name in ("chunk", "wide_k_chunk"):
+            assert getattr(self, name) in (16, 32), f"rwkv6 Settings.{name} must be 16 or 32, got {getattr(self, name)}"
+
+    def chunk_size(self, K: int) -> int:
+        return self.chunk if K <= 64 else self.wide_k_chunk
 
     def scan_tile(self, V: int, sequences_x_heads: int) -> int:
         return self.scan_bv or scan_tile(V, sequences_x_heads)
@@ -61,7 +68,7 @@ def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, s: Settings):
 
     _, T, H, K = r.shape
     V = v.shape[-1]
-    BT, BK = s.chunk, max(16, next_pow2(K))
+    BT, BK = s.chunk_size(K), max(16, next_pow2(K))
     chunk_offsets, chunk_index, NT = tables
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
@@ -81,7 +88,7 @@ def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, do, dht, s: Settings):
 
     _, T, H, K = r.shape
     V = v.shape[-1]
-    BT, BK = s.chunk, max(16, next_pow2(K))
+    BT, BK = s.chunk_size(K), max(16, next_pow2(K))
     chunk_offsets, chunk_index, NT = tables
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
@@ -129,7 +136,7 @@ def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state,
     r_, k_, v_ = (flat(x) for x in (r, k, v))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    tables = chunk_tables(cu, s.chunk, B * T, T if cu_seqlens is None else None)
+    tables = chunk_tables(cu, s.chunk_size(K), B * T, T if cu_seqlens is None else None)
     o, ht = _ChunkRWKV6.apply(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
                               tables, s)
     return o.reshape(B, T, H, V), ht

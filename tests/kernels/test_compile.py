@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 # beside the benchmark shapes (each shape regime): the largest tiles and K != V
 EXTRA_SHAPES = {"rwkv7": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
                           (2, 16384, 16, 32, 128)],
-                "gsa": [(8, 4096, 4, 256, 128), (2, 16384, 4, 256, 128), (2, 4096, 4, 64, 32)]}
+                "gsa": [(8, 4096, 4, 256, 128), (2, 16384, 4, 256, 128), (2, 4096, 4, 64, 32)],
+                "rwkv6": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
+                          (2, 16384, 16, 128, 32)]}
 
 
 def in_fresh_process(code: str):
@@ -36,7 +38,7 @@ def skip_without_cuda_backend():
         pytest.skip(f"this Triton cannot compile for CUDA: {why}")
 
 
-@pytest.mark.parametrize("op", ["rwkv7", "gsa"])
+@pytest.mark.parametrize("op", ["rwkv7", "gsa", "rwkv6"])
 def test_every_launched_kernel_compiles_for_h100(op):
     skip_without_cuda_backend()
     from kernels.sm90 import H100_SMEM
