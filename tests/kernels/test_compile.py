@@ -54,11 +54,13 @@ def test_every_launched_kernel_compiles_for_h100(op):
 
 
 def test_recorded_launches_cover_both_regimes_of_each_op():
-    # the two benchmark shapes of each op take different launch paths: each shape launches builds the other does not
+    # the two benchmark shapes of each op take different launch paths: each shape launches builds (kernel and
+    # compile-time values) the other does not
     pytest.importorskip("triton")
     only = in_fresh_process(
         "import dataclasses, json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches\n"
-        "per = {n: [set(op_launches(dataclasses.replace(op, shapes=(s,)))) for s in op.shapes]\n"
+        "per = {n: [{f'{k} {b.constexprs}' for k, b in op_launches(dataclasses.replace(op, shapes=(s,))).items()}\n"
+        "           for s in op.shapes]\n"
         "       for n, op in OPS.items()}\n"
         "print(json.dumps({n: [sorted(a - b), sorted(b - a)] for n, (a, b) in per.items()}))")
     for name, (first_only, second_only) in only.items():
