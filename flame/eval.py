@@ -19,17 +19,29 @@ between documents). When --max-tokens cuts a document, it counts the bytes of th
 Output (stdout): the tokens and bytes scored, loss in nats per token, perplexity exp(loss), and bits per byte =
 total loss in nats / ln 2 / bytes, which compares models whose tokenizers differ. Bad input is one line on stderr
 and exit code 2.
+
+Several processes (torchrun, e.g. `NPROC=8 scripts/launch.sh -m flame.eval MODEL --data GLOB`): every rank reads and
+tokenizes the whole stream and scores window i when i % world_size == rank, so the ranks together score exactly the
+windows of one process; the loss, token and byte sums are all-reduced in fp64 (bytes from rank 0 alone: every rank
+counts the whole stream). Each rank uses its LOCAL_RANK GPU with NCCL, or the CPU with gloo. Only rank 0 prints.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a rank started by scripts/launch.sh: end with the launcher
+    from flame import lifeline
+
+    lifeline.die_with_launcher()
+
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flame.convert import read_model
@@ -190,32 +202,65 @@ def windows(tokens: Iterator[int], seq_len: int) -> Iterator[list[int]]:
 # ------------------------------------------------------------------------------------------------------- scoring
 @torch.no_grad()
 def evaluate(model: nn.Module, tokenizer, texts: Iterator[str], *, seq_len: int, batch_size: int,
-             max_tokens: int | None = None, device: str | torch.device = "cpu", progress=None) -> EvalResult:
+             max_tokens: int | None = None, device: str | torch.device = "cpu", progress=None,
+             rank: int = 0, world_size: int = 1) -> EvalResult:
+    """This rank's share of the scores: window i when i % world_size == rank. `bytes` is the whole stream's (every
+    rank reads all of it); `progress` gets the targets of every window passed, this rank's or not."""
     counted = [0]
-    loss_sum, n_tokens, rows = 0.0, 0, []
+    loss_sum, n_tokens, rows, passed = 0.0, 0, [], 0
 
     def run(rows):
+        nonlocal passed
         inputs = torch.full((len(rows), seq_len), tokenizer.eos_id, dtype=torch.long)
         labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
         for b, w in enumerate(rows):  # a short last window is padded; causal models never see the padding
             inputs[b, :len(w) - 1] = torch.tensor(w[:-1])
             labels[b, :len(w) - 1] = torch.tensor(w[1:])
         loss = model(inputs.to(device), labels=labels.to(device))
+        if progress is not None:
+            progress(passed)
+            passed = 0
         return float(loss), sum(len(w) - 1 for w in rows)
 
-    for window in windows(scored_tokens(tokenizer, texts, max_tokens, counted), seq_len):
+    stream = windows(scored_tokens(tokenizer, texts, max_tokens, counted), seq_len)
+    for i, window in enumerate(stream):
+        passed += len(window) - 1
+        if i % world_size != rank:
+            continue
         rows.append(window)
         if len(rows) == batch_size:
             s, n = run(rows)
             loss_sum, n_tokens, rows = loss_sum + s, n_tokens + n, []
-            if progress is not None:
-                progress(n)
     if rows:
         s, n = run(rows)
         loss_sum, n_tokens = loss_sum + s, n_tokens + n
-        if progress is not None:
-            progress(n)
+    if progress is not None and passed:
+        progress(passed)
     return EvalResult(n_tokens, counted[0], loss_sum)
+
+
+def join_job(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device): the torchrun job's when WORLD_SIZE > 1, else (0, 1, device)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1, torch.device(device)
+    if torch.device(device).type == "cuda":
+        local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=local)
+    else:
+        local = torch.device(device)
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world_size, local
+
+
+def all_reduce(result: EvalResult, rank: int, device: torch.device) -> EvalResult:
+    """The job's totals: sums of loss and tokens over the ranks; bytes from rank 0 (each rank counts all of them)."""
+    sums = torch.tensor([result.loss_sum, result.tokens, result.bytes if rank == 0 else 0],
+                        dtype=torch.float64, device=device)  # fp64 holds integers exactly up to 2**53
+    dist.all_reduce(sums)
+    loss_sum, tokens, n_bytes = sums.tolist()
+    return EvalResult(round(tokens), round(n_bytes), loss_sum)
 
 
 def progress_bar(total: int | None):
@@ -247,29 +292,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eos-token", default=WORLD_SEPARATOR, help="the token that ends every document")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
+    rank_env = int(os.environ.get("RANK", "0"))  # known before the job is joined: only rank 0 says what went wrong
+
+    def fail(message: str):
+        if rank_env == 0:
+            print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
     try:
         for name in ("seq_len", "batch_size", "max_tokens"):
             value = getattr(a, name)
             if value is not None and value < 1:
                 raise EvalError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}")
         plans = file_plans(a.data, a.text_field)
-        model, loaded = load_model(a.model, a.device)
+        rank, world_size, device = join_job(a.device)
+        model, loaded = load_model(a.model, device)
         tokenizer = load_tokenizer(loaded, a.model, a.tokenizer, a.eos_token)
     except (EvalError, ConvertError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
     except ValueError as e:  # weights that do not fit the model's own config
-        print(f"error: {a.model}: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    update, close = progress_bar(a.max_tokens)
+        fail(f"{a.model}: {str(e).splitlines()[0]}")
+    update, close = progress_bar(a.max_tokens) if rank == 0 else (None, lambda: None)
     result = evaluate(model, tokenizer, documents(plans), seq_len=a.seq_len, batch_size=a.batch_size,
-                      max_tokens=a.max_tokens, device=a.device, progress=update)
+                      max_tokens=a.max_tokens, device=device, progress=update, rank=rank, world_size=world_size)
     close()
+    if world_size > 1:
+        result = all_reduce(result, rank, device)
+        dist.destroy_process_group()
     if result.tokens == 0:
-        print(f"error: --data {a.data!r}: no usable document", file=sys.stderr)
-        sys.exit(2)
-    print(f"tokens: {result.tokens}\nbytes: {result.bytes}\nloss: {result.loss:.6f}\n"
-          f"perplexity: {result.perplexity:.4f}\nbits_per_byte: {result.bits_per_byte:.6f}")
+        fail(f"--data {a.data!r}: no usable document")
+    if rank == 0:
+        print(f"tokens: {result.tokens}\nbytes: {result.bytes}\nloss: {result.loss:.6f}\n"
+              f"perplexity: {result.perplexity:.4f}\nbits_per_byte: {result.bits_per_byte:.6f}")
 
 
 if __name__ == "__main__":

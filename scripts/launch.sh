@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Launch a flame run under torchrun: one GPU, one node or many.
+# Launch a flame run (or another module, e.g. flame.eval) under torchrun: one GPU, one node or many.
 set -euo pipefail
 
 usage() {
   cat <<'TXT'
 usage: scripts/launch.sh CONFIG.toml [--section.key=value | --section.key value ...]
+       scripts/launch.sh -m MODULE [ARGS ...]
+
+The first form trains (python -m flame.train --config CONFIG.toml ...) on every rank. The second runs
+`python -m MODULE ARGS` on every rank instead, e.g. `NPROC=8 scripts/launch.sh -m flame.eval MODEL --data GLOB`:
+the same processes, nodes and rendezvous, without the training config check, the run folder lock and the per-rank
+log files; the ranks' output comes to this terminal and this script's own lines go to stderr.
 
 Environment (all optional):
   NGPU         processes per node (default: every visible GPU; 1 on a machine without GPU)
@@ -20,14 +26,24 @@ never outlive this script, however it ends (SIGKILL included). One run per run f
 in use stops with exit code 2.
 Backends: NCCL on GPU, gloo on CPU. Per-rank logs: {job.dump_folder}/logs/. The config is checked first: a bad key
 or value stops here with exit code 2.
+With -m MODULE, Ctrl-C or SIGTERM stops the ranks at once (exit 130 or 143) and SIGUSR1 is ignored: a module has no
+checkpoint to save.
 TXT
 }
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then usage; [[ $# -ge 1 ]] && exit 0 || exit 2; fi
-config=$1; shift
-cd "$(dirname "$0")/.."
-
-# Fail fast (exit 2, one line) before any process starts.
-dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --strict --get job.dump_folder)
+module=""
+if [[ $1 == -m ]]; then
+  [[ $# -ge 2 && -n $2 ]] || { echo "launch.sh: -m needs a module name, e.g. -m flame.eval" >&2; exit 2; }
+  module=$2; shift 2
+  # no cd: the ranks read relative paths (MODEL, --data) from the caller's folder and find flame on PYTHONPATH
+  PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH
+else
+  config=$1; shift
+  cd "$(dirname "$0")/.."
+  # Fail fast (exit 2, one line) before any process starts.
+  dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --strict --get job.dump_folder)
+fi
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
@@ -38,15 +54,22 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 # Another run holds this folder: exit 2, one line. Rank 0 (on node 0) takes the lock for good once it starts.
-[[ $NODE_RANK -ne 0 ]] || "${PYTHON:-python3}" -m flame.run_lock "$dump"
-if [[ -z ${NGPU:-} ]]; then
+[[ -n $module || $NODE_RANK -ne 0 ]] || "${PYTHON:-python3}" -m flame.run_lock "$dump"
+if [[ -z ${NGPU:-} && -z ${NPROC:-} ]]; then
   NGPU=$("${PYTHON:-python3}" -c "import torch; print(torch.cuda.device_count())")
 fi
 NPROC=${NPROC:-$NGPU}
 [[ $NPROC -ge 1 ]] || NPROC=1
 
-logs="$dump/logs/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK"
-mkdir -p "$logs"
+if [[ -z $module ]]; then
+  logs="$dump/logs/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK"
+  mkdir -p "$logs"
+  outputs=(--log-dir "$logs" --redirects 3 --tee 3)
+  target=(-m flame.train --config "$config" "$@")
+else
+  outputs=()
+  target=(-m "$module" "$@")
+fi
 if [[ $NNODES -eq 1 && -z ${MASTER_PORT:-} ]]; then
   rdzv=(--standalone)  # one node: c10d rendezvous on a free local port
 else
@@ -56,7 +79,11 @@ fi
 # NVLink SHARP multicast stays off (see README): it has hung collectives on shared machines.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
-echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
+if [[ -z $module ]]; then
+  echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
+else
+  echo "launch: $module on $NNODES node(s) x $NPROC process(es)" >&2  # stdout is the module's alone
+fi
 # SIGINT / SIGTERM / SIGUSR1 (preemption notice) go to the training processes, which save a checkpoint and exit 0;
 # sent to torchrun itself, they would make it kill its workers and fail.
 # A signal that comes before torchrun has started the ranks is kept and sent once they are there.
@@ -76,9 +103,23 @@ on_interrupt() {
     exit 130
   fi
 }
-trap 'forward TERM' TERM
-trap 'forward USR1' USR1
-trap on_interrupt INT
+stop_now() {  # -m MODULE: nothing to save, so a stop is immediate
+  echo "launch: stopped" >&2 || true
+  if [[ -n $torchrun ]]; then
+    pkill -KILL -P "$torchrun" 2>/dev/null || true  # the ranks, also of a module that does not bind to torchrun
+    kill -KILL "$torchrun" 2>/dev/null || true
+  fi
+  exit "$1"
+}
+if [[ -z $module ]]; then
+  trap 'forward TERM' TERM
+  trap 'forward USR1' USR1
+  trap on_interrupt INT
+else
+  trap 'stop_now 143' TERM
+  trap '' USR1
+  trap 'stop_now 130' INT
+fi
 trap '' PIPE  # `launch.sh ... | tee log` and Ctrl-C: tee is gone, the run must still stop cleanly
 # torchrun runs in a process group of its own (set -m), so that a terminal's Ctrl-C reaches only this script, which
 # forwards it; torchrun's own handler would kill the ranks and fail with a traceback. flame.lifeline binds torchrun
@@ -86,8 +127,7 @@ trap '' PIPE  # `launch.sh ... | tee log` and Ctrl-C: tee is gone, the run must 
 # own, out of reach of a signal to this script's process group).
 set -m
 FLAME_PARENT_PID=$$ "${PYTHON:-python3}" -m flame.lifeline torch.distributed.run --nnodes "$NNODES" \
-  --nproc-per-node "$NPROC" "${rdzv[@]}" --log-dir "$logs" --redirects 3 --tee 3 \
-  -m flame.train --config "$config" "$@" &
+  --nproc-per-node "$NPROC" "${rdzv[@]}" ${outputs[@]+"${outputs[@]}"} "${target[@]}" &
 torchrun=$!
 set +m
 rc=0

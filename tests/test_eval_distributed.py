@@ -1,0 +1,46 @@
+"""flame.eval on 2 CPU processes (gloo) through `scripts/launch.sh -m flame.eval` against the same evaluation in one
+process: the ranks split the windows, so tokens and bytes must be equal and the loss equal up to fp32 batching."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+
+from flame.eval import main
+from tests.helpers import REPO, env
+from tests.test_eval import DOCS, SEQ_LEN, parse, setup  # noqa: F401  (setup: the module's tiny export and data)
+
+
+def two_processes(export, data, *extra, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts/launch.sh"), "-m", "flame.eval", str(export), "--data",
+                           str(data), "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--device", "cpu", *extra],
+                          capture_output=True, text=True, cwd=cwd, env=dict(env(), NPROC="2"), timeout=180)
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["all", "max-tokens"])
+def test_two_ranks_equal_one(setup, capsys, cut):  # noqa: F811
+    base, export, data, tok, model = setup
+    # --max-tokens inside document 1, as in test_eval
+    extra = ["--max-tokens", str(len(tok.encode(DOCS[0], add_special_tokens=False).ids) + 1 + 5)] if cut else []
+    main([str(export), "--data", str(data), "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--device", "cpu",
+          *extra])
+    single = parse(capsys.readouterr().out)
+    assert math.ceil(single["tokens"] / SEQ_LEN) >= 3  # windows for both ranks, one rank with two
+    r = two_processes(export, data, *extra)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert len(r.stdout.splitlines()) == 5, r.stdout  # rank 0 alone prints
+    double = parse(r.stdout)
+    assert double["tokens"] == single["tokens"] and double["bytes"] == single["bytes"]
+    for key in ("loss", "perplexity", "bits_per_byte"):
+        assert double[key] == pytest.approx(single[key], rel=1e-6), key
+
+
+def test_bad_input_is_one_line_from_rank_0(setup, tmp_path):  # noqa: F811
+    base, export, data, tok, model = setup
+    r = two_processes(tmp_path / "nope", data, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "nope" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
