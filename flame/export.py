@@ -7,6 +7,9 @@ the tokenizer travels as tokenizer.json (a `tokenizers` file) or as RWKV's World
 as flame.data.tokenizer.tokenizer_files names them, so that a folder works as data.tokenizer and for flame.generate.
 `load_exported` gives the model back (evaluation, generation). `python -m flame.convert` writes such folders from
 other formats (and those formats from them); checkpoint.init_from starts a new run from any of them.
+
+Progress (stderr): each stage (reading, writing) ends with one line and its time when stderr is a terminal or the
+stage took SLOW_S seconds or more; loops over tensors show a tqdm bar once they run longer than BAR_DELAY_S.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -30,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm import tqdm
 
 from flame.checkpoint import complete_steps
 from flame.config import ConfigError, build_dataclass, config_from_toml
@@ -38,6 +43,10 @@ from flame.data.tokenizer import tokenizer_files as spec_tokenizer_files
 from flame.models import build_model, known_models, model_args_class
 
 CONFIG = "config.json"
+SLOW_S = 5.0
+"""A stage that takes this long says so on stderr even when stderr is not a terminal (a job's log)."""
+BAR_DELAY_S = 2.0
+"""A loop over tensors shows its bar once it has run this long: quick ones (tests, small models) print nothing."""
 WEIGHTS = "model.safetensors"
 # Files of a Hugging Face tokenizer that travel along with it (the tokenizer itself is tokenizer.json or a vocabulary).
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -102,12 +111,33 @@ def copy_tokenizer(files: dict[str, Path], folder: Path) -> None:
         shutil.copyfile(path, folder / name)
 
 
+# ---------------------------------------------------------------------------------------------------- progress
+@contextmanager
+def stage(what: str) -> Iterator[None]:
+    """Time the block; when it completes, `what: 1.2 s` on stderr if stderr is a terminal or the block took SLOW_S
+    or more (a failed block prints nothing: its error is the one line)."""
+    start = time.perf_counter()
+    yield
+    took = time.perf_counter() - start
+    if took >= SLOW_S or sys.stderr.isatty():
+        print(f"{what}: {took:.1f} s", file=sys.stderr, flush=True)
+
+
+def tensor_bar(items, what: str):
+    """`items` (tensors) with a tqdm bar on stderr, shown once the loop has run BAR_DELAY_S and cleared after."""
+    return tqdm(items, desc=what, unit="tensor", file=sys.stderr, delay=BAR_DELAY_S, leave=False)
+
+
+def as_fp32(state: dict[str, torch.Tensor], what: str = "to fp32") -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in tensor_bar(state.items(), what)}
+
+
 # ---------------------------------------------------------------------------------------------- writing whole
 def standalone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fp32, contiguous, each tensor owning its memory: safetensors refuses tensors that share storage (the rows of
     a stacked parameter written as separate tensors), and a .pth would otherwise save whole stacks per row."""
     out = {}
-    for k, v in state.items():
+    for k, v in tensor_bar(state.items(), "preparing tensors"):
         v = v.detach().float().contiguous()
         whole = v.storage_offset() == 0 and v.untyped_storage().nbytes() == v.numel() * v.element_size()
         out[k] = v if whole else v.clone()
@@ -218,7 +248,7 @@ def read_export(folder: str | Path) -> ModelState:
     args = read_args(folder)
     path = folder / WEIGHTS
     try:
-        state = {k: v.float() for k, v in load_file(str(path)).items()}
+        state = as_fp32(load_file(str(path)))
     except (OSError, SafetensorError) as e:
         raise ConvertError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     check_tensors(path, state, empty_state(args))
@@ -276,15 +306,17 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
         tokenizer = tokenizer_files(cfg.data.tokenizer, f"{run_dir}: data.tokenizer")
     except ConvertError as e:  # the weights are still worth having
         tokenizer, note = {}, f"{e}; no tokenizer copied"
-    return ModelState(cfg.model, {k: v.float() for k, v in state["model"].items()}, str(run_dir.resolve()), step,
+    return ModelState(cfg.model, as_fp32(state["model"]), str(run_dir.resolve()), step,
                       tokenizer, note, seq_len=cfg.training.seq_len)
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
-    model = read_run(run_dir, step)
+    with stage(f"read {run_dir}" + (f" step {step}" if step is not None else "")):
+        model = read_run(run_dir, step)
     for note in model.messages():
         print(f"note: {note}", file=sys.stderr)
-    return write_export(out_dir, model)
+    with stage(f"wrote {out_dir}"):
+        return write_export(out_dir, model)
 
 
 # ------------------------------------------------------------------------------------------------ loading back
