@@ -275,6 +275,18 @@ def is_run_folder(folder: Path) -> bool:
     return (folder / "checkpoint").is_dir() or (folder / "config.toml").is_file()
 
 
+def check_shards(path: Path) -> None:
+    """ConvertError naming the shard files the checkpoint's metadata lists but its folder lacks: on several nodes
+    each node writes its own ranks' files, so a run folder that is not shared holds only some of them."""
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data or {}
+    files = {info.relative_path for info in storage.values()}
+    missing = sorted(files - {p.name for p in path.iterdir()})
+    if missing:
+        raise ConvertError(f"{path}: {len(missing)} of its {len(files)} shard files missing: {', '.join(missing)} "
+                           "(each node writes its own ranks' shards: share the run folder between all nodes, or copy "
+                           "the other nodes' files into it)")
+
+
 def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
     """The model of a run folder's newest complete checkpoint (or `step`), whatever the number of ranks that saved
     it, with the tokenizer its config names."""
@@ -289,6 +301,7 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
     if step not in steps:
         raise ConvertError(f"{folder}: no complete checkpoint step-{step} (complete: {steps})")
     path = str(folder / f"step-{step}")
+    check_shards(Path(path))
     train_state = {"config": ""}
     with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
