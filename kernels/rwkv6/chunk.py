@@ -25,8 +25,8 @@ from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
 
 @dataclass(frozen=True)
 class Settings:
-    """Tiles and warps of the Triton kernel. Fixed values instead of autotuning: a first call compiles each kernel
-    once (scripts/bench_kernels.py --set rwkv6.field=value times others)."""
+    """Tiles, warps and the shape-chosen scan regime of the Triton kernel. Fixed values instead of autotuning: a
+    first call compiles each kernel once (scripts/bench_kernels.py --set rwkv6.field=value times others)."""
 
     chunk: int = 32
     """Tokens per chunk (16 or 32): longer chunks mean fewer sequential scan steps and fewer stored states, at the
@@ -48,6 +48,15 @@ class Settings:
     """Warps of _fwd_out."""
     bwd_warps: int = 8
     """Warps of _bwd_chunk (it holds A, dA and six [chunk, K] tiles at once)."""
+    blocked_scan: bool | None = None
+    """Blocked scans (each block's map from zero, all blocks at once; the blocks in order, elementwise since the
+    transition is diagonal; then each block's fill from its entering state) instead of sequence scans; None: blocked
+    where the sequence scans would take narrow V tiles (few long sequences leave SMs idle)."""
+    block_chunks: int = 32
+    """Chunks per block of the blocked scans: longer blocks mean fewer block programs and a longer sequential
+    part within each."""
+    block_bv: int = 64
+    """V tile of the blocked scans' per-block programs (maps and fills)."""
 
     def __post_init__(self):
         for name in ("chunk", "wide_k_chunk"):
@@ -62,9 +71,15 @@ class Settings:
     def chunk_tile(self, V: int) -> int:
         return min(self.chunk_bv, max(16, next_pow2(V)))
 
+    def blocked(self, sequences: int, H: int, V: int) -> bool:
+        """Whether the scans run blocked for this shape."""
+        if self.blocked_scan is not None:
+            return self.blocked_scan
+        return self.scan_tile(V, sequences * H) < min(64, max(16, next_pow2(V)))
 
-def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, s: Settings):
-    from kernels.rwkv6.fwd import _fwd_out, _fwd_scan
+
+def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, s: Settings):
+    from kernels.rwkv6.fwd import _block_scan, _fwd_out, _fwd_scan
 
     _, T, H, K = r.shape
     V = v.shape[-1]
@@ -75,16 +90,32 @@ def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, s: Settings):
     h = torch.empty(NT, H, K, V, **f32)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = s.scan_tile(V, N * H)
-    launch(_fwd_scan, (N, H, triton.cdiv(V, BV)), k, v, w, cu, chunk_offsets, h0, h, ht, H=H, K=K, V=V, BT=BT,
-           BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=want_ht, PREC=s.prec, num_warps=s.scan_warps)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec, num_warps=s.scan_warps)
+    if blocks is None:
+        launch(_fwd_scan, (N, H, triton.cdiv(V, BV)), k, v, w, cu, chunk_offsets, None, h0, h, ht, None, BV=BV,
+               BLOCKED=False, STORE_H=True, HAS_H0=h0 is not None, STORE_HT=want_ht, **scan)
+    else:
+        block_offsets, block_index, NB = blocks
+        BVb = min(s.block_bv, max(16, next_pow2(V)))
+        # per block, all at once: its end state from zero and its log decay; then the blocks in order; then the fill
+        sb = torch.empty(NB, H, K, V, **f32)
+        gb = torch.empty(NB, H, K, **f32)
+        launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), k, v, w, cu, chunk_offsets, block_index, None, None, sb, gb,
+               BV=BVb, BLOCKED=True, STORE_H=False, HAS_H0=False, STORE_HT=True, **scan)
+        s_in = torch.empty(NB, H, K, V, **f32)
+        launch(_block_scan, (N, H, triton.cdiv(V, BV)), block_offsets, gb, sb, h0, s_in, ht, H=H, K=K, V=V, BK=BK,
+               BV=BV, REVERSE=False, HAS_S0=h0 is not None, STORE_END=want_ht, num_warps=s.scan_warps)
+        launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), k, v, w, cu, chunk_offsets, block_index, s_in, h, None, None,
+               BV=BVb, BLOCKED=True, STORE_H=True, HAS_H0=True, STORE_HT=False, **scan)
     o = torch.empty_like(v)
     launch(_fwd_out, (NT, H), r, k, v, w, u, h, o, cu, chunk_index, scale, H=H, K=K, V=V, BT=BT, BK=BK,
            BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.out_warps)
     return o, ht, h
 
 
-def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, do, dht, s: Settings):
+def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, blocks, do, dht, s: Settings):
     from kernels.rwkv6.bwd import _bwd_chunk, _bwd_scan
+    from kernels.rwkv6.fwd import _block_scan
 
     _, T, H, K = r.shape
     V = v.shape[-1]
@@ -95,9 +126,23 @@ def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, do, dht, s: Settings):
     dh = torch.empty(NT, H, K, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = s.scan_tile(V, N * H)
-    launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), r, w, do, cu, chunk_offsets, dht, dh, dh0, scale, H=H, K=K, V=V,
-           BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=s.prec,
-           num_warps=s.scan_warps)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec, num_warps=s.scan_warps)
+    if blocks is None:
+        launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), r, w, do, cu, chunk_offsets, None, dht, dh, dh0, None, scale,
+               BV=BV, BLOCKED=False, STORE_DH=True, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, **scan)
+    else:
+        block_offsets, block_index, NB = blocks
+        BVb = min(s.block_bv, max(16, next_pow2(V)))
+        # per block: its start gradient from zero and its log decay; the blocks last to first; then the fill
+        sb = torch.empty(NB, H, K, V, **f32)
+        gb = torch.empty(NB, H, K, **f32)
+        launch(_bwd_scan, (NB, H, triton.cdiv(V, BVb)), r, w, do, cu, chunk_offsets, block_index, None, None, sb, gb,
+               scale, BV=BVb, BLOCKED=True, STORE_DH=False, HAS_DHT=False, STORE_DH0=True, **scan)
+        s_end = torch.empty(NB, H, K, V, **f32)
+        launch(_block_scan, (N, H, triton.cdiv(V, BV)), block_offsets, gb, sb, dht, s_end, dh0, H=H, K=K, V=V, BK=BK,
+               BV=BV, REVERSE=True, HAS_S0=dht is not None, STORE_END=h0 is not None, num_warps=s.scan_warps)
+        launch(_bwd_scan, (NB, H, triton.cdiv(V, BVb)), r, w, do, cu, chunk_offsets, block_index, s_end, dh, None,
+               None, scale, BV=BVb, BLOCKED=True, STORE_DH=True, HAS_DHT=True, STORE_DH0=False, **scan)
     dr, dk, dv, dw = (torch.empty_like(x) for x in (r, k, v, w))
     # each chunk's share of du (spare chunks of a packed batch write nothing: zeros)
     du = torch.zeros(NT, H, K, **f32)
@@ -108,18 +153,18 @@ def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, do, dht, s: Settings):
 
 class _ChunkRWKV6(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, r, k, v, w, u, scale, h0, want_ht, cu, tables, settings):
-        o, ht, h = _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, settings)
+    def forward(ctx, r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, settings):
+        o, ht, h = _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, settings)
         ctx.save_for_backward(r, k, v, w, u, h0, cu, h)
-        ctx.scale, ctx.tables, ctx.settings = scale, tables, settings
+        ctx.scale, ctx.tables, ctx.blocks, ctx.settings = scale, tables, blocks, settings
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         r, k, v, w, u, h0, cu, h = ctx.saved_tensors
-        dr, dk, dv, dw, du, dh0 = _bwd(r, k, v, w, u, ctx.scale, h0, cu, h, ctx.tables, do.contiguous(),
+        dr, dk, dv, dw, du, dh0 = _bwd(r, k, v, w, u, ctx.scale, h0, cu, h, ctx.tables, ctx.blocks, do.contiguous(),
                                        None if dht is None else dht.contiguous(), ctx.settings)
-        return dr, dk, dv, dw, du, None, dh0, None, None, None, None
+        return dr, dk, dv, dw, du, None, dh0, None, None, None, None, None
 
 
 # Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
@@ -136,9 +181,12 @@ def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state,
     r_, k_, v_ = (flat(x) for x in (r, k, v))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    tables = chunk_tables(cu, s.chunk_size(K), B * T, T if cu_seqlens is None else None)
+    seq_len = T if cu_seqlens is None else None
+    BT = s.chunk_size(K)
+    tables = chunk_tables(cu, BT, B * T, seq_len)
+    blocks = chunk_tables(cu, BT * s.block_chunks, B * T, seq_len) if s.blocked(cu.numel() - 1, H, V) else None
     o, ht = _ChunkRWKV6.apply(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
-                              tables, s)
+                              tables, blocks, s)
     return o.reshape(B, T, H, V), ht
 
 

@@ -50,7 +50,8 @@ def test_every_launched_kernel_compiles_for_h100(op):
     regimes = smem.pop("regimes")
     assert regimes >= 4 and len(smem) >= regimes, smem   # forward and backward kernels, both shape regimes
     for name, nbytes in smem.items():
-        assert 0 < nbytes <= H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {H100_SMEM})"
+        # 0 is a build without shared memory (elementwise scans); a failed compile raises
+        assert 0 <= nbytes <= H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {H100_SMEM})"
 
 
 def test_recorded_launches_cover_both_regimes_of_each_op():

@@ -174,6 +174,33 @@ def test_triton_interpreter_stress_decays(chunk, interp):
     assert_close(got, naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
+@pytest.mark.parametrize("block_chunks,with_h0", [(1, True), (2, False)])
+def test_triton_interpreter_blocked_scan(block_chunks, with_h0, interp):
+    # two sequences of 40 tokens, chunks of 16: blocks of 1 chunk, or of 2 with a short last block and chunk
+    xs, h0 = make_inputs(2, 40, 1, 32, 32, decay="wide", seed=20 + block_chunks)
+    h0 = h0 if with_h0 else None
+    s = Settings(chunk=16, blocked_scan=True, block_chunks=block_chunks, block_bv=16)
+    assert_close(run(interp, xs, h0, 0.5, settings=s), naive(xs, h0, 0.5), CPU_TOL, f"blocks of {block_chunks}")
+
+
+def test_triton_interpreter_blocked_scan_varlen_stress(interp):
+    # packed sequences (a spare block, sequences of one and of several blocks), log decays -1e-6 .. -50, K != V
+    import numpy as np
+
+    cu = torch.tensor([0, 5, 37, 38, 110])
+    xs, h0 = make_inputs(1, 110, 1, 32, 64, decay="stress", n_seq=4, seed=23)
+    s = Settings(chunk=16, blocked_scan=True, block_chunks=2, block_bv=32, scan_bv=16)
+    with np.errstate(over="raise", invalid="raise"):
+        got = run(interp, xs, h0, 1.0, cu, settings=s)
+    assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "blocked varlen stress")
+
+
+def test_blocked_scan_is_chosen_for_few_long_sequences():
+    s = Settings()
+    assert s.blocked(2, 16, 64) and not s.blocked(8, 16, 64)
+    assert not Settings(blocked_scan=False).blocked(2, 16, 64) and Settings(blocked_scan=True).blocked(8, 16, 64)
+
+
 def test_settings_refuse_a_chunk_without_a_kernel():
     with pytest.raises(AssertionError, match="chunk"):
         Settings(chunk=64)
@@ -221,7 +248,8 @@ def test_gpu_initial_state_kv_pairs(K, V):
 
 @gpu
 @pytest.mark.parametrize("fields", [dict(chunk=16), dict(chunk=32), dict(scan_bv=16), dict(scan_bv=64),
-                                    dict(chunk_bv=32), dict(prec="ieee")],
+                                    dict(chunk_bv=32), dict(prec="ieee"), dict(blocked_scan=True, block_chunks=4),
+                                    dict(blocked_scan=False)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_stress_decays_t4096(fields, dtype):
