@@ -19,7 +19,7 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
-from flame.models.rwkv7 import _ortho, cached_token_shift, last_tokens, token_shift
+from flame.models.rwkv_shared import cached_token_shift, last_tokens, ortho_init, token_shift
 from flame.optim import ParamGroup, trainable_parameters
 from kernels.rwkv6 import chunk_rwkv6
 from kernels.rwkv6.step import recurrent_step
@@ -237,7 +237,7 @@ class RWKV6(LanguageModel):
         a = self.args
         nn.init.uniform_(self.embed.weight, -1e-4, 1e-4)
         # orthogonal head with gain 0.5 sqrt(V / C): logits start with std ~0.5, so the first loss is ~ln(V)
-        _ortho(self.lm_head.weight, 0.5 * (a.vocab_size / a.hidden_size) ** 0.5 if a.vocab_size > a.hidden_size
+        ortho_init(self.lm_head.weight, 0.5 * (a.vocab_size / a.hidden_size) ** 0.5 if a.vocab_size > a.hidden_size
                else 0.5, gain_from_shape=False)
         for norm in (self.embed_norm, self.norm):
             norm.reset_parameters()

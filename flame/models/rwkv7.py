@@ -19,6 +19,7 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
+from flame.models.rwkv_shared import cached_token_shift, last_tokens, ortho_init, token_shift
 from flame.optim import ParamGroup, trainable_parameters
 from kernels.rwkv7 import chunk_rwkv7
 from kernels.rwkv7.step import recurrent_step
@@ -65,30 +66,6 @@ class RWKV7Args(ModelArgs):
     def lora(self, which: str) -> int:
         given = getattr(self, f"{which}_low_rank")
         return given or _lora_dim(self.hidden_size, {"decay": 2.5, "a": 2.5, "v": 1.7, "gate": 5.0}[which])
-
-
-def token_shift(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """x_{t-1} (zero at t = 0 and, with packed documents, at every document start: `keep` is 0 there)."""
-    shifted = F.pad(x, (0, 0, 1, -1))
-    return shifted if keep is None else shifted * keep
-
-
-def last_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """Each sequence's last token [B, C]: of the rows of x [B, T, C], or of the documents packed in x [1, N, C]."""
-    return x[:, -1] if cu_seqlens is None else x[0, cu_seqlens[1:].long() - 1]
-
-
-def cached_token_shift(x: torch.Tensor, prev: torch.Tensor, keep: torch.Tensor | None,
-                       cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """token_shift for a cached pass, which then stores each sequence's last x into `prev` [B, C] in place. Rows of
-    x [B, T, C] continue their sequences: the first token sees the cached prev. Packed documents (a prefill) start
-    from zero, as in training."""
-    if cu_seqlens is None:
-        shifted = torch.cat([prev[:, None].to(x.dtype), x[:, :-1]], dim=1)    # a new tensor: prev is free to change
-    else:
-        shifted = token_shift(x, keep)
-    prev.copy_(last_tokens(x, cu_seqlens))
-    return shifted
 
 
 @dataclass
@@ -170,11 +147,11 @@ class TimeMix(nn.Module):
         self.a0.copy_(-0.19 + zigzag * 0.3 + linear * 0.4)
         for lo, hi in ((self.w1, self.w2), (self.a1, self.a2), (self.g1, self.g2)):
             nn.init.zeros_(lo)
-            _ortho(hi, 0.1)
+            ortho_init(hi, 0.1)
         if self.layer_id > 0:
             self.v0.copy_(0.73 - linear * 0.4)
             nn.init.zeros_(self.v1)
-            _ortho(self.v2, 0.1)
+            ortho_init(self.v2, 0.1)
         self.k_k.copy_(0.71 - linear * 0.1)
         self.k_a.fill_(1.02)
         self.r_k.fill_(-0.04)
@@ -288,7 +265,7 @@ class RWKV7(LanguageModel):
         a = self.args
         nn.init.uniform_(self.embed.weight, -1e-4, 1e-4)
         # orthogonal head with gain 0.5 sqrt(V / C): logits start with std ~0.5, so the first loss is ~ln(V)
-        _ortho(self.lm_head.weight, 0.5 * math.sqrt(a.vocab_size / a.hidden_size) if a.vocab_size > a.hidden_size
+        ortho_init(self.lm_head.weight, 0.5 * math.sqrt(a.vocab_size / a.hidden_size) if a.vocab_size > a.hidden_size
                else 0.5, gain_from_shape=False)
         for norm in (self.embed_norm, self.norm):
             norm.reset_parameters()
@@ -363,10 +340,3 @@ class RWKV7(LanguageModel):
         head (read sa, two rank-one updates, read o), 2 FLOPs each, times 3 for fwd + bwd."""
         a = self.args
         return 6 * self.matmul_params() + 24 * a.num_layers * a.hidden_size * a.head_dim
-
-
-def _ortho(w: torch.Tensor, scale: float, gain_from_shape: bool = True) -> None:
-    """RWKV-LM's ortho_init: orthogonal with gain scale * sqrt(rows / cols) when rows > cols."""
-    rows, cols = w.shape
-    gain = math.sqrt(rows / cols) if gain_from_shape and rows > cols else 1.0
-    nn.init.orthogonal_(w, gain=gain * scale)
