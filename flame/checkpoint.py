@@ -5,12 +5,18 @@ step-N once DCP has written its metadata, which DCP does only after every rank's
 named step-N is always complete, and a .tmp folder is a save that never finished (ignored, removed at start-up).
 Older checkpoints are pruned only after a newer one is complete.
 
+A complete folder can still be damaged later (a truncated copy, a bad disk): before resuming, its .metadata must read,
+every shard file it lists must exist and hold every item's bytes, and its pickled items must unpickle. Under
+checkpoint.resume = auto a damaged one is skipped for the previous one, and left as it is; a new save of its step
+keeps it aside as step-N.unreadable. (Tensor bytes carry no checksum: damage inside them goes unnoticed.)
+
 On GPU the save is asynchronous: training blocks only while the state is copied into a cached CPU buffer; the
 files are written by a background thread over a gloo process group of their own.
 """
 
 from __future__ import annotations
 
+import io
 import random
 import re
 import shutil
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from flame.config import CheckpointConfig, Config, RunError
@@ -40,11 +47,49 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
 
 
+def first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def unreadable_file(path: Path) -> str | None:
+    """Why the checkpoint folder `path` cannot be loaded, as "file: reason", or None when it looks whole: its
+    .metadata reads, every shard file it lists exists and is long enough for each item stored in it, and each pickled
+    (non-tensor) item unpickles. Reads the metadata and the small pickled items only, never the tensors."""
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a missing or damaged .metadata: anything unpickling garbage raises
+        return f"{path / '.metadata'}: {first_line(e)}"
+    storage = meta.storage_data or {}
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file}: missing (its .metadata lists it)"
+        if (size := file.stat().st_size) < end:
+            return f"{file}: truncated ({size} bytes, its .metadata needs {end})"
+    pickled = {fqn for fqn, md in meta.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    for index, info in storage.items():
+        if index.fqn in pickled and not info.transform_descriptors:
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            try:
+                torch.load(io.BytesIO(data), weights_only=False)  # as DCP's load does; our own files
+            except Exception as e:
+                return f"{path / info.relative_path}: {index.fqn} does not unpickle ({first_line(e)})"
+    return None
+
+
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int, use_async: bool):
         self.cfg, self.rank, self.use_async = cfg, rank, use_async
         self.folder = run_dir / cfg.folder
         self.pending: Future | None = None
+        self.unreadable: set[int] = set()
+        """Steps whose checkpoint was found damaged at start-up: never pruned, kept aside when saved again."""
         self.written: tuple[int, float] | None = None
         """Rank 0: (step, seconds from the start of its save until it was complete on disk) of the last save."""
         if use_async:
@@ -59,10 +104,37 @@ class Checkpointer:
             if self.cfg.load_step not in steps:
                 raise RunError(f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
                                f"{self.folder}/step-{self.cfg.load_step} (complete: {steps or 'none'})")
+            if problem := self.agreed_problem(self.cfg.load_step):
+                raise RunError(f"checkpoint.load_step={self.cfg.load_step}: checkpoint {self.path(self.cfg.load_step)} "
+                               f"cannot be loaded: {problem}")
             return self.cfg.load_step
-        if self.cfg.resume == "auto" and steps:
-            return steps[-1]
-        return None
+        if self.cfg.resume != "auto" or not steps:
+            return None
+        damaged = None  # the line about the newer checkpoint just skipped, said once the next one is checked
+        for step in reversed(steps):
+            problem = self.agreed_problem(step)
+            if damaged:
+                self.say(f"{damaged}; {'trying' if problem else 'resuming from'} step-{step} instead")
+            if problem is None:
+                return step
+            self.unreadable.add(step)
+            damaged = f"checkpoint {self.path(step)} cannot be loaded (left as it is): {problem}"
+        raise RunError(f"{damaged}; no complete checkpoint in {self.folder} can be loaded (all left as they are): "
+                       "move them away, or start a new run with a new --job.dump_folder")
+
+    def agreed_problem(self, step: int) -> str | None:
+        """unreadable_file of a checkpoint as every rank sees it (the first problem any rank found), so that all ranks
+        resume from the same step even where their nodes see different files."""
+        problem = unreadable_file(self.path(step))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            seen: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, problem)
+            problem = next((p for p in seen if p), None)
+        return problem
+
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, flush=True)
 
     def remove_incomplete(self) -> list[str]:
         """Rank 0, at start-up (no save in flight): drop folders of saves that never finished."""
@@ -122,7 +194,10 @@ class Checkpointer:
 
     def load(self, step: int, state: dict) -> None:
         """Fill `state` (same structure as saved, any number of ranks) in place."""
-        dcp.load(state, checkpoint_id=str(self.path(step)))
+        try:
+            dcp.load(state, checkpoint_id=str(self.path(step)))
+        except (OSError, RuntimeError, ValueError, dcp.CheckpointException) as e:  # damage not seen at start-up
+            raise RunError(f"checkpoint {self.path(step)} cannot be loaded: {first_line(e)}") from e
 
     def saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """Global shape of every tensor in a checkpoint, from its metadata (reads no tensor data)."""
@@ -132,10 +207,17 @@ class Checkpointer:
     def _finalize(self, step: int, start: float) -> None:
         self.written = (step, time.perf_counter() - start)
         final = self.path(step)
+        if step in self.unreadable and final.exists():  # the damaged one stays, under a name no resume picks
+            aside, n = self.folder / f"step-{step}.unreadable", 2
+            while aside.exists():
+                aside, n = self.folder / f"step-{step}.unreadable.{n}", n + 1
+            final.rename(aside)
+            self.unreadable.discard(step)
+            print(f"checkpoint step-{step}: the damaged one found at start-up is kept as {aside.name}", flush=True)
         shutil.rmtree(final, ignore_errors=True)
         (self.folder / f"step-{step}.tmp").rename(final)
         if self.cfg.keep_latest_k > 0:
-            for old in complete_steps(self.folder)[: -self.cfg.keep_latest_k]:
+            for old in [s for s in complete_steps(self.folder) if s not in self.unreadable][: -self.cfg.keep_latest_k]:
                 shutil.rmtree(self.path(old), ignore_errors=True)
 
 
