@@ -18,9 +18,7 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
-from flame.models.rwkv_shared import cached_token_shift, last_tokens, ortho_init, token_shift
-from flame.optim import ParamGroup, trainable_parameters
+from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, token_shift
 from kernels.rwkv6 import chunk_rwkv6
 from kernels.rwkv6.step import recurrent_step
 
@@ -62,33 +60,6 @@ class RWKV6Args(ModelArgs):
     @property
     def ffn_width(self) -> int:
         return self.ffn_size or int(self.hidden_size * 3.5) // 32 * 32
-
-
-@dataclass
-class RWKV6LayerCache:
-    """One layer's part of a cache (see RWKV6Cache); updated in place by each cached pass."""
-
-    attn_x: torch.Tensor
-    """[B, C] the time mix's input (after attn_norm) at each sequence's last token: the next token's shift."""
-    ffn_x: torch.Tensor
-    """[B, C] the channel mix's input (after ffn_norm) at each sequence's last token."""
-    state: torch.Tensor
-    """[B, H, K, V] fp32, the matrix state after each sequence's last token."""
-
-
-@dataclass
-class RWKV6Cache:
-    """What continues B sequences: per layer the two token-shift inputs and the matrix state (constant size)."""
-
-    layers: list[RWKV6LayerCache]
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the cache, in a fixed order: what a CUDA graph of decode reads and writes in place."""
-        return [t for layer in self.layers for t in vars(layer).values()]
-
-    @property
-    def batch_size(self) -> int:
-        return self.layers[0].state.shape[0]
 
 
 class TimeMix(nn.Module):
@@ -142,7 +113,7 @@ class TimeMix(nn.Module):
         self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
         nn.init.zeros_(self.ln_x.bias)
 
-    def forward(self, x, keep, cu_seqlens, cache: RWKV6LayerCache | None = None):
+    def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
         """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
         continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
@@ -201,7 +172,7 @@ class ChannelMix(nn.Module):
         nn.init.zeros_(self.receptance.weight)          # the gate starts at sigmoid(0) = 1/2 everywhere
         nn.init.zeros_(self.value.weight)
 
-    def forward(self, x, keep, cu_seqlens=None, cache: RWKV6LayerCache | None = None):
+    def forward(self, x, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
         shifted = token_shift(x, keep) if cache is None else cached_token_shift(x, cache.ffn_x, keep, cu_seqlens)
         xx = shifted - x
         k = torch.relu(self.key(x + xx * self.maa_k.to(x.dtype))).square()
@@ -216,13 +187,15 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn = ChannelMix(args, layer_id)
 
-    def forward(self, x, keep, cu_seqlens, cache: RWKV6LayerCache | None = None):
+    def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
         x = x + self.attn(self.attn_norm(x), keep, cu_seqlens, cache)
         return x + self.ffn(self.ffn_norm(x), keep, cu_seqlens, cache)
 
 
 @register("rwkv6", RWKV6Args)
-class RWKV6(LanguageModel):
+class RWKV6(RWKVModel):
+    decay_bias = ".attn.decay"   # RWKV-LM's time_decay: 2x lr
+
     def __init__(self, args: RWKV6Args):
         super().__init__()
         self.args = args
@@ -232,78 +205,10 @@ class RWKV6(LanguageModel):
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        a = self.args
-        nn.init.uniform_(self.embed.weight, -1e-4, 1e-4)
-        # orthogonal head with gain 0.5 sqrt(V / C): logits start with std ~0.5, so the first loss is ~ln(V)
-        ortho_init(self.lm_head.weight, 0.5 * (a.vocab_size / a.hidden_size) ** 0.5 if a.vocab_size > a.hidden_size
-               else 0.5, gain_from_shape=False)
-        for norm in (self.embed_norm, self.norm):
-            norm.reset_parameters()
-        for block in self.layers:
-            block.attn_norm.reset_parameters()
-            block.ffn_norm.reset_parameters()
-            block.attn.reset_parameters()
-            block.ffn.reset_parameters()
-
-    def forward(self, input_ids, labels=None, cu_seqlens=None):
-        B, T = input_ids.shape
-        if cu_seqlens is not None:
-            input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
-        x = self.hidden(input_ids, cu_seqlens)
-        return self.logits_or_loss_sum(x, labels, B, T)
-
-    def hidden(self, input_ids, cu_seqlens=None, cache: RWKV6Cache | None = None):
-        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
-        keep = None
-        if cu_seqlens is not None:
-            n = input_ids.shape[1]
-            keep = torch.ones(n, 1, device=input_ids.device)
-            keep[cu_seqlens[:-1].long().clamp_max(n - 1)] = 0
-        x = self.embed_norm(self.embed(input_ids))
-        if keep is not None:
-            keep = keep.to(x.dtype)
+    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None):
         for i, block in enumerate(self.layers):
             x = block(x, keep, cu_seqlens, None if cache is None else cache.layers[i])
         return x
-
-    def empty_cache(self, batch_size: int) -> RWKV6Cache:
-        """Zero states for batch_size sequences (what no token has touched yet)."""
-        a, p, B = self.args, self.embed.weight, batch_size
-        H, N = a.hidden_size // a.head_dim, a.head_dim
-        return RWKV6Cache([RWKV6LayerCache(p.new_zeros(B, a.hidden_size), p.new_zeros(B, a.hidden_size),
-                                           p.new_zeros(B, H, N, N, dtype=torch.float32)) for _ in self.layers])
-
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]]):
-        ids, cu_seqlens = packed_prompts(prompts, self.embed.weight.device)
-        cache = self.empty_cache(len(prompts))
-        x = last_tokens(self.hidden(ids, cu_seqlens, cache), cu_seqlens)
-        return self.logits_or_loss_sum(x[:, None], None, len(prompts), 1)[:, 0], cache
-
-    @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, cache: RWKV6Cache, all_logits: bool = False):
-        x = self.hidden(input_ids, None, cache)
-        if not all_logits:
-            x = x[:, -1:]
-        return self.logits_or_loss_sum(x, None, x.shape[0], x.shape[1]), cache
-
-    def optimizer_groups(self) -> list[ParamGroup]:
-        """RWKV-LM's x060 groups (layerwise_lr on, outside its pile stage 2): the decay bias time_decay at twice the
-        learning rate; the weights of the linear layers (head included) and the embedding with weight decay;
-        everything else (the low-rank paths, the lerps, the bonus, norms) at 1x without decay."""
-        tables = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-        lr_2x, decay, lr_1x = [], [], []
-        for name, p in trainable_parameters(self).items():
-            if name.endswith(".attn.decay"):
-                lr_2x.append(name)
-            elif id(p) in tables:
-                decay.append(name)
-            else:
-                lr_1x.append(name)
-        return [ParamGroup("decay", decay, weight_decay=True), ParamGroup("lr_1x", lr_1x, weight_decay=False),
-                ParamGroup("lr_2x", lr_2x, weight_decay=False, lr_scale=2.0)]
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x matmul parameters (head included) + the recurrence: ~3 passes over a K x V state per token and head

@@ -1,13 +1,17 @@
-"""Pieces both RWKV generations (flame/models/rwkv6.py, rwkv7.py) share: the token shift, with its cached form for
-decoding, and RWKV-LM's orthogonal init."""
+"""What both RWKV generations (flame/models/rwkv6.py, rwkv7.py) share: the token shift, with its cached form for
+decoding, RWKV-LM's orthogonal init, the cache, and the model around the blocks (RWKVModel)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
+from flame.optim import ParamGroup, trainable_parameters
 
 
 def token_shift(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -39,3 +43,112 @@ def ortho_init(w: torch.Tensor, scale: float, gain_from_shape: bool = True) -> N
     rows, cols = w.shape
     gain = math.sqrt(rows / cols) if gain_from_shape and rows > cols else 1.0
     nn.init.orthogonal_(w, gain=gain * scale)
+
+
+@dataclass
+class RWKVLayerCache:
+    """One layer's part of an RWKV cache; updated in place by each cached pass."""
+
+    attn_x: torch.Tensor
+    """[B, C] the time mix's input (after attn_norm) at each sequence's last token: the next token's shift."""
+    ffn_x: torch.Tensor
+    """[B, C] the channel mix's input (after ffn_norm) at each sequence's last token."""
+    state: torch.Tensor
+    """[B, H, K, V] fp32, the matrix state after each sequence's last token."""
+
+
+@dataclass
+class RWKVCache:
+    """What continues B sequences: per layer the two token-shift inputs and the matrix state (constant size: no
+    tensor grows with the sequences)."""
+
+    layers: list[RWKVLayerCache]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, in a fixed order: what a CUDA graph of decode reads and writes in place."""
+        return [t for layer in self.layers for t in vars(layer).values()]
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].state.shape[0]
+
+
+class RWKVModel(LanguageModel):
+    """What RWKV-6 and RWKV-7 share around their blocks: RWKV-LM's init of the embedding, head and norms, the
+    packed-document token-shift reset, cached inference and RWKV-LM's optimizer groups. A subclass sets `embed`,
+    `embed_norm` (RWKV's ln0), `layers` (blocks with reset_parameters on their parts), `norm`, `lm_head`,
+    `decay_bias` (the name ending of the parameter RWKV-LM trains at 2x lr) and runs its blocks in `run_blocks`."""
+
+    decay_bias: str
+
+    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        a = self.args
+        nn.init.uniform_(self.embed.weight, -1e-4, 1e-4)
+        # orthogonal head with gain 0.5 sqrt(V / C): logits start with std ~0.5, so the first loss is ~ln(V)
+        ortho_init(self.lm_head.weight, 0.5 * math.sqrt(a.vocab_size / a.hidden_size) if a.vocab_size > a.hidden_size
+                   else 0.5, gain_from_shape=False)
+        for norm in (self.embed_norm, self.norm):
+            norm.reset_parameters()
+        for block in self.layers:
+            block.attn_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+            block.attn.reset_parameters()
+            block.ffn.reset_parameters()
+
+    def forward(self, input_ids, labels=None, cu_seqlens=None):
+        B, T = input_ids.shape
+        if cu_seqlens is not None:
+            input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
+        x = self.hidden(input_ids, cu_seqlens)
+        return self.logits_or_loss_sum(x, labels, B, T)
+
+    def hidden(self, input_ids, cu_seqlens=None, cache: RWKVCache | None = None):
+        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
+        keep = None
+        if cu_seqlens is not None:   # 0 at every document start: the token shift restarts there
+            n = input_ids.shape[1]
+            keep = torch.ones(n, 1, device=input_ids.device)
+            keep[cu_seqlens[:-1].long().clamp_max(n - 1)] = 0
+        x = self.embed_norm(self.embed(input_ids))
+        return self.run_blocks(x, None if keep is None else keep.to(x.dtype), cu_seqlens, cache)
+
+    def empty_cache(self, batch_size: int) -> RWKVCache:
+        """Zero states for batch_size sequences (what no token has touched yet)."""
+        a, p, B = self.args, self.embed.weight, batch_size
+        H, N = a.hidden_size // a.head_dim, a.head_dim
+        return RWKVCache([RWKVLayerCache(p.new_zeros(B, a.hidden_size), p.new_zeros(B, a.hidden_size),
+                                         p.new_zeros(B, H, N, N, dtype=torch.float32)) for _ in self.layers])
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]):
+        ids, cu_seqlens = packed_prompts(prompts, self.embed.weight.device)
+        cache = self.empty_cache(len(prompts))
+        x = last_tokens(self.hidden(ids, cu_seqlens, cache), cu_seqlens)
+        return self.logits_or_loss_sum(x[:, None], None, len(prompts), 1)[:, 0], cache
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, cache: RWKVCache, all_logits: bool = False):
+        x = self.hidden(input_ids, None, cache)
+        if not all_logits:
+            x = x[:, -1:]
+        return self.logits_or_loss_sum(x, None, x.shape[0], x.shape[1]), cache
+
+    def optimizer_groups(self) -> list[ParamGroup]:
+        """RWKV-LM's groups: the decay bias at twice the learning rate; the weights of the linear layers (head
+        included) and the embedding with weight decay; everything else (low-rank factors, lerps and other vectors,
+        norms) at 1x without decay. RWKV-LM: decay on small tensors makes the model much worse."""
+        tables = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        lr_2x, decay, lr_1x = [], [], []
+        for name, p in trainable_parameters(self).items():
+            if name.endswith(self.decay_bias):
+                lr_2x.append(name)
+            elif id(p) in tables:
+                decay.append(name)
+            else:
+                lr_1x.append(name)
+        return [ParamGroup("decay", decay, weight_decay=True), ParamGroup("lr_1x", lr_1x, weight_decay=False),
+                ParamGroup("lr_2x", lr_2x, weight_decay=False, lr_scale=2.0)]
