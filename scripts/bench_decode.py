@@ -102,18 +102,12 @@ def main(argv: list[str] | None = None) -> None:
             for prompt_len in a.prompt_len:
                 try:
                     r = bench(model, batch, prompt_len, a.new_tokens, a.device, a.cuda_graph)
-                except NotImplementedError as e:  # a model without cached inference yet
-                    print(f"{name:<24} {e}", flush=True)
-                    break
                 except torch.OutOfMemoryError:
                     print(f"{name:<24} {batch:>5} {prompt_len:>6} {'out of memory':>11}", flush=True)
                     torch.cuda.empty_cache()
                     continue
                 print(f"{name:<24} {batch:>5} {prompt_len:>6} {r['prefill_ms']:>11.1f} {r['tokens_per_s']:>13.1f} "
                       f"{r['ms_per_token']:>13.2f}", flush=True)
-            else:
-                continue
-            break
         del model
         if a.device == "cuda":
             torch.cuda.empty_cache()
