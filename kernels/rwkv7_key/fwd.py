@@ -1,0 +1,44 @@
+"""Triton forward of RWKV-7's key prologue (README.md): one program per token tile and head, k and a_pre read once."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+EPS = tl.constexpr(1e-12)   # F.normalize's: a head whose k * k_k is below it is divided by it instead of its norm
+
+
+@triton.jit
+def head_tile(i_t, i_h, M, C: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+    """Offsets [BT, BN] of tokens i_t BT.. and head i_h's channels in a [M, C] tensor, their mask, the channels and
+    the channel mask."""
+    rows = i_t * BT + tl.arange(0, BT)
+    feats = tl.arange(0, BN)
+    m_c = feats < N
+    ch = i_h * N + feats
+    offs = rows[:, None].to(tl.int64) * C + ch[None, :]
+    return offs, (rows < M)[:, None] & m_c[None, :], ch, m_c
+
+
+@triton.jit
+def key_terms(k, a_pre, k_k, k_a, offs, mask, ch, m_c):
+    """k and a = sigmoid(a_pre) (fp32), k_k and k_a [1, BN], u = k * k_k, its norm [BT, 1] and kk = u / max(norm, eps)."""
+    kf = tl.load(k + offs, mask=mask, other=0.).to(tl.float32)
+    a = tl.sigmoid(tl.load(a_pre + offs, mask=mask, other=0.).to(tl.float32))
+    kkw = tl.load(k_k + ch, mask=m_c, other=0.).to(tl.float32)[None, :]
+    ka = tl.load(k_a + ch, mask=m_c, other=0.).to(tl.float32)[None, :]
+    u = kf * kkw
+    norm = tl.sqrt(tl.sum(u * u, axis=1))[:, None]
+    kk = u / tl.maximum(norm, EPS)
+    return kf, a, kkw, ka, norm, kk
+
+
+@triton.jit
+def _key_fwd(k, a_pre, k_k, k_a, k_new, neg_kk, kk_a, M, C: tl.constexpr, N: tl.constexpr, BT: tl.constexpr,
+             BN: tl.constexpr):
+    offs, mask, ch, m_c = head_tile(tl.program_id(0), tl.program_id(1), M, C, N, BT, BN)
+    kf, a, kkw, ka, norm, kk = key_terms(k, a_pre, k_k, k_a, offs, mask, ch, m_c)
+    dt = k_new.dtype.element_ty
+    tl.store(k_new + offs, (kf * (1 + (a - 1) * ka)).to(dt), mask=mask)
+    tl.store(neg_kk + offs, (-kk).to(dt), mask=mask)
+    tl.store(kk_a + offs, (kk * a).to(dt), mask=mask)

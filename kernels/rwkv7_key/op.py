@@ -1,0 +1,133 @@
+"""RWKV-7's key prologue as one op (README.md): the public call, its Settings, the launches and the custom ops
+flame::rwkv7_key / flame::rwkv7_key_bwd (fakes, autograd).
+
+    k_new, neg_kk, kk_a = rwkv7_key(k, a_pre, k_k, k_a, head_dim, backend=None, settings=None)
+
+k, a_pre [..., C] (a_pre: a's pre-sigmoid input, any float dtype), k_k, k_a [C]; outputs in k's dtype, the chunk
+kernel's k, a and b. CUDA tensors run the Triton kernels, CPU tensors the plain PyTorch forward and backward (naive.py);
+backend='triton' | 'torch' forces one (tests run Triton on CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.launch import launch
+from kernels.rwkv7_key.naive import naive_rwkv7_key, naive_rwkv7_key_bwd
+from kernels.utils import next_pow2
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Token tiles and warps of the two kernels (each program holds a [tokens, head_dim] tile of every tensor it
+    reads); not autotuned."""
+
+    fwd_tokens: int = 32
+    """Tokens per program of the forward."""
+    bwd_tokens: int = 16
+    """Tokens per program of the backward (twice the live tiles of the forward); also the rows of dk_k/dk_a's
+    partial sums are tokens / bwd_tokens."""
+    warps: int = 4
+    """Warps of both kernels."""
+
+    def encode(self) -> str:
+        """As the custom op takes it (a string: ops take no dataclasses)."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def decode(cls, text: str) -> "Settings":
+        return cls(**{name: int(value) for name, value in (item.split("=") for item in text.split(","))})
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _fwd_triton(k, a_pre, k_k, k_a, head_dim: int, s: Settings):
+    from kernels.rwkv7_key.fwd import _key_fwd
+
+    k2, a2 = _rows(k), _rows(a_pre)
+    M, C = k2.shape
+    outs = [torch.empty_like(k2) for _ in range(3)]
+    launch(_key_fwd, (triton.cdiv(M, s.fwd_tokens), C // head_dim), k2, a2, k_k.contiguous(), k_a.contiguous(),
+           *outs, M, C=C, N=head_dim, BT=s.fwd_tokens, BN=next_pow2(head_dim), num_warps=s.warps)
+    return tuple(o.view(k.shape) for o in outs)
+
+
+def _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim: int, s: Settings):
+    from kernels.rwkv7_key.bwd import _key_bwd
+
+    k2, a2 = _rows(k), _rows(a_pre)
+    M, C = k2.shape
+    tiles = triton.cdiv(M, s.bwd_tokens)
+    dk, da_pre = torch.empty_like(k2), torch.empty_like(a2)
+    parts = torch.empty(2, tiles, C, device=k.device, dtype=torch.float32)
+    launch(_key_bwd, (tiles, C // head_dim), k2, a2, k_k.contiguous(), k_a.contiguous(), _rows(dk_new),
+           _rows(dneg_kk), _rows(dkk_a), dk, da_pre, parts[0], parts[1], M, C=C, N=head_dim, BT=s.bwd_tokens,
+           BN=next_pow2(head_dim), num_warps=s.warps)
+    dk_k, dk_a = parts[0].sum(0), parts[1].sum(0)   # two tensors (outputs may not alias each other)
+    return dk.view(k.shape), da_pre.view(a_pre.shape), dk_k.to(k_k.dtype), dk_a.to(k_a.dtype)
+
+
+def _use_triton(x: Tensor, backend: str) -> bool:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    return backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None)
+
+
+@torch.library.custom_op("flame::rwkv7_key", mutates_args=())
+def _key(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, backend: str,
+         settings: str) -> tuple[Tensor, Tensor, Tensor]:
+    if _use_triton(k, backend):
+        return _fwd_triton(k, a_pre, k_k, k_a, head_dim, Settings.decode(settings))
+    return naive_rwkv7_key(k, a_pre, k_k, k_a, head_dim)
+
+
+@_key.register_fake
+def _(k, a_pre, k_k, k_a, head_dim, backend, settings):
+    return torch.empty_like(k), torch.empty_like(k), torch.empty_like(k)
+
+
+@torch.library.custom_op("flame::rwkv7_key_bwd", mutates_args=())
+def _key_bwd(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, dk_new: Tensor, dneg_kk: Tensor, dkk_a: Tensor,
+             head_dim: int, backend: str, settings: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _use_triton(k, backend):
+        return _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, Settings.decode(settings))
+    return naive_rwkv7_key_bwd(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim)
+
+
+@_key_bwd.register_fake
+def _(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, backend, settings):
+    return torch.empty_like(k), torch.empty_like(a_pre), torch.empty_like(k_k), torch.empty_like(k_a)
+
+
+def _setup_context(ctx, inputs, output):
+    k, a_pre, k_k, k_a, ctx.head_dim, ctx.backend, ctx.settings = inputs
+    ctx.save_for_backward(k, a_pre, k_k, k_a)
+
+
+def _backward(ctx, dk_new, dneg_kk, dkk_a):
+    k, a_pre, k_k, k_a = ctx.saved_tensors
+    grads = [torch.zeros_like(k) if g is None else g for g in (dk_new, dneg_kk, dkk_a)]
+    dk, da_pre, dk_k, dk_a = torch.ops.flame.rwkv7_key_bwd(k, a_pre, k_k, k_a, *grads, ctx.head_dim, ctx.backend,
+                                                           ctx.settings)
+    return dk, da_pre, dk_k, dk_a, None, None, None
+
+
+_key.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rwkv7_key(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, backend: str | None = None,
+              settings: Settings | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(k_new, -kk, kk * a) in k's dtype: the chunk kernel's k, a and b (module docstring)."""
+    return torch.ops.flame.rwkv7_key(k, a_pre, k_k, k_a, head_dim, backend or "auto", (settings or Settings()).encode())
+
+
+try:
+    import triton
+except ImportError:  # the torch path needs no Triton
+    triton = None
