@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flame.config import ModelArgs, check
@@ -21,6 +20,8 @@ from flame.models import register
 from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, ortho_init, token_shift
 from kernels.rwkv7 import chunk_rwkv7
 from kernels.rwkv7.step import recurrent_step
+from kernels.rwkv7_key import rwkv7_key
+from kernels.rwkv7_out import rwkv7_out
 
 DECAY_SCALE = math.exp(-0.5)  # log decay = -exp(-0.5) * sigmoid(.): per-step decay in (0.545, 1)
 
@@ -147,21 +148,18 @@ class TimeMix(nn.Module):
             v_first = v
         else:
             v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
-        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+        a_pre = self.a0 + (xa @ self.a1) @ self.a2        # the in-context rate a = sigmoid(a_pre), in rwkv7_key
         g = torch.sigmoid(xg @ self.g1) @ self.g2
-        kk = F.normalize((k * self.k_k).view(B, T, H, N).float(), dim=-1).to(k.dtype)
-        k = k * (1 + (a - 1) * self.k_a)
+        # k updated by the rate, the removal key -kk and the replacement kk * a (kk = normalize(k * k_k) per head)
+        k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_pre, self.k_k, self.k_a, N))
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
         if cache is None:
-            o, _ = chunk_rwkv7(heads(r), heads(w), heads(k), heads(v), -kk, kk * heads(a), scale=1.0,
-                               cu_seqlens=cu_seqlens)
+            o, _ = chunk_rwkv7(heads(r), heads(w), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens)
         else:
-            o = self.cached_op(heads(r), heads(w), heads(k), heads(v), -kk, kk * heads(a), cu_seqlens, cache.state)
-        o = F.group_norm(o.reshape(B * T, C).float(), H, self.ln_x.weight.float(), self.ln_x.bias.float(),
-                         self.ln_x.eps).view(B, T, H, N)
-        bonus = (heads(r).float() * heads(k).float() * self.r_k.float()).sum(-1, keepdim=True) * heads(v).float()
-        o = (o + bonus).view(B, T, C).to(x.dtype)
-        return self.o_proj(o * g), v_first
+            o = self.cached_op(heads(r), heads(w), k, heads(v), neg_kk, kk_a, cu_seqlens, cache.state)
+        # per-head GroupNorm (ln_x) + the r k bonus, gated
+        o = rwkv7_out(o, heads(r), k, heads(v), self.r_k, self.ln_x.weight, self.ln_x.bias, g, self.ln_x.eps)
+        return self.o_proj(o), v_first
 
     @staticmethod
     def cached_op(r, w, k, v, a, b, cu_seqlens, state):
