@@ -115,8 +115,9 @@ class TrainingConfig:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False
     """torch.compile each block."""
-    activation_checkpoint: Literal["none", "full"] = "none"
-    """'full' recomputes every block in backward."""
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    """Per block: 'full' keeps only its input and reruns it in backward; 'selective' keeps the outputs of matmuls,
+    attention and chunk kernels, and recomputes the rest (elementwise work, norms): flame/activation_checkpoint.py."""
     max_consecutive_skips: int = 10
     """Stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
     deterministic: bool = False

@@ -86,21 +86,28 @@ def compile_blocks(model: nn.Module) -> None:
 
 def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
                 compile: bool) -> nn.Module:
-    """Compile, checkpoint and shard each block of `model.layers`, then the root.
+    """Checkpoint, compile and shard each block of `model.layers`, then the root.
 
-    Compiled inside the checkpoint wrapper, not around it (torchtitan's order): Dynamo traces checkpoint() as one
-    higher-order op that it cannot split, so a block whose chunk kernel breaks the graph (RWKV-7, GSA) ran entirely
-    eager under full activation checkpointing, and training.compile did nothing.
+    selective: each block is wrapped first and the wrapper compiled (torchtitan's order), so that Dynamo traces the
+    checkpoint with its policy and Inductor's partitioner keeps what the policy saves. This needs a block without a
+    graph break: our kernels are custom ops (flame::chunk_*); a break would run the whole wrapped block eager.
+    full: each block is compiled first and then wrapped, so that a block whose kernel still breaks the graph is
+    compiled around the break (Dynamo traces checkpoint() as one higher-order op that it cannot split: compiled
+    outside the wrapper, RWKV-7 and GSA ran entirely eager).
 
     Gradients are reduced as a SUM: the loss is already divided by the global token count, so FSDP's own
     averaging over ranks would divide a second time.
     """
-    if compile:
-        compile_blocks(model)
-    if activation_checkpoint == "full":
-        from torchtitan.distributed.activation_checkpoint import FullAC
+    from flame.activation_checkpoint import wrap_blocks  # (torchtitan's module: imported only when wrapping)
 
-        FullAC(FullAC.Config()).apply(model)
+    if activation_checkpoint == "selective":
+        wrap_blocks(model, activation_checkpoint)
+        if compile:
+            compile_blocks(model)
+    else:
+        if compile:
+            compile_blocks(model)
+        wrap_blocks(model, activation_checkpoint)
     if d.on_gpu:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     else:  # CPU: fp32 throughout (bf16 matmuls on CPU are slow and not what tests compare against)

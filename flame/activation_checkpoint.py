@@ -1,0 +1,55 @@
+"""Activation checkpointing of each block of `model.layers` (training.activation_checkpoint).
+
+full: a block keeps only its inputs; backward runs its whole forward again.
+selective: a block keeps the outputs of the ops that are expensive to run again (matmuls, attention, our chunk
+kernels) and recomputes the rest (elementwise work, norms, activations, token shifts) from them in backward, so
+backward never repeats a matmul or a kernel. It costs more memory than full and less than none.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing, FullAC
+
+SAVED_ATEN_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear"})
+"""aten ops whose outputs selective checkpointing keeps (by name, every overload)."""
+SAVED_ATEN_PREFIXES = ("_scaled_dot_product_", "_flash_attention_", "_efficient_attention_", "_cudnn_attention_")
+"""Attention: every SDPA backend (flash, efficient, cuDNN, math, the CPU flash path)."""
+CHUNK_KERNEL_PREFIX = "chunk_"
+"""Our kernels' custom ops are flame::chunk_<model> (kernels/); their outputs are kept too."""
+
+
+def saves_output(func) -> bool:
+    """Whether selective checkpointing keeps the output of `func` (an op overload seen by the dispatcher)."""
+    namespace, name = getattr(func, "namespace", None), getattr(func, "_opname", "")
+    if namespace == "aten":
+        return name in SAVED_ATEN_OPS or name.startswith(SAVED_ATEN_PREFIXES)
+    if namespace == "flame":
+        return name.startswith(CHUNK_KERNEL_PREFIX) and not name.endswith("_bwd")
+    return False
+
+
+def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if saves_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class KeepMatmulsAC(ActivationCheckpointing):
+    """torchtitan's per-block wrapping with our save list. (torchtitan's SelectiveAC also recomputes every
+    second matmul, which is the cost this choice exists to avoid.)"""
+
+    def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
+        c = self.config
+        return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(_policy),
+                                  preserve_rng_state=c.preserve_rng_state, determinism_check=c.determinism_check,
+                                  early_stop=False, debug=c.debug)
+
+
+def wrap_blocks(model: nn.Module, mode: str) -> None:
+    """Replace each block of `model.layers` by its checkpoint wrapper ("full" or "selective"; "none" does nothing).
+    The wrapper holds the block as `_checkpoint_wrapped_module`, which FSDP and the state dict see through."""
+    if mode == "full":
+        FullAC(FullAC.Config()).apply(model)
+    elif mode == "selective":
+        KeepMatmulsAC(KeepMatmulsAC.Config()).apply(model)

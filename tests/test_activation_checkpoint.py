@@ -1,0 +1,85 @@
+"""training.activation_checkpoint: none, selective and full give the same loss and gradients; selective's backward
+repeats no matmul of the forward (full's repeats them all) but does recompute the cheap ops; a short training run
+under selective checkpointing logs the losses of a run without; a bad value stops with one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flame.activation_checkpoint import wrap_blocks
+from flame.config import ConfigError, load_config
+from flame.models import build_model
+from tests.helpers import read_metrics, run_train, write_config
+
+MODES = ("none", "selective", "full")
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run (matmuls apart) while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls = self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) == "aten":
+            self.ops += 1
+            self.matmuls += func._opname in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def forward_backward(config: str, mode: str):
+    """Loss, gradients by parameter name, and the ops counted in backward, of one step of a tiny model."""
+    cfg = load_config(f"configs/{config}.toml", ["--model.vocab_size=512"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    model.init_weights()
+    wrap_blocks(model, mode)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss = model(ids, labels=ids)
+    with OpCounter() as backward_ops:
+        loss.backward()
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, backward_ops
+
+
+@pytest.mark.parametrize("config", ["rwkv7_tiny", "gsa_tiny", "transformer_tiny"])
+def test_checkpointing_changes_what_backward_runs_not_its_results(config):
+    runs = {mode: forward_backward(config, mode) for mode in MODES}
+    loss, grads, plain = runs["none"]
+    for mode in ("selective", "full"):
+        other_loss, other_grads, _ = runs[mode]
+        torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=0)
+        assert other_grads.keys() == grads.keys(), mode
+        for name, g in grads.items():
+            torch.testing.assert_close(other_grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{mode}: {name}")
+    selective, full = runs["selective"][2], runs["full"][2]
+    assert full.matmuls > plain.matmuls, f"{config}: full checkpointing reran no matmul"
+    assert selective.matmuls == plain.matmuls, \
+        f"{config}: selective backward ran {selective.matmuls - plain.matmuls} matmuls of the forward again"
+    assert selective.ops > plain.ops, f"{config}: selective checkpointing recomputed nothing"
+    assert selective.ops < full.ops
+
+
+def test_selective_training_run_logs_the_losses_of_a_plain_run(tmp_path):
+    config, _ = write_config(tmp_path)  # the tiny transformer on synthetic tokens
+    losses = {}
+    for mode in ("none", "selective"):
+        dump = tmp_path / mode
+        proc = run_train(config, f"--job.dump_folder={dump}", f"--training.activation_checkpoint={mode}",
+                         "--training.steps=3", "--checkpoint.enable=false")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[mode] = [r["loss"] for r in read_metrics(dump)]
+    assert len(losses["none"]) == 3
+    assert losses["selective"] == pytest.approx(losses["none"], rel=1e-6)
+
+
+def test_unknown_choice_is_one_line_naming_the_key(tmp_path):
+    config, _ = write_config(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_config(config, ["--training.activation_checkpoint=partial"])
+    line = str(e.value)
+    assert "training.activation_checkpoint" in line and "'selective'" in line and "\n" not in line
