@@ -18,7 +18,8 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, token_shift
+from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, token_shift,
+                                      token_shift_mix)
 from kernels.rwkv6 import chunk_rwkv6
 from kernels.rwkv6.step import recurrent_step
 
@@ -173,10 +174,10 @@ class ChannelMix(nn.Module):
         nn.init.zeros_(self.value.weight)
 
     def forward(self, x, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
-        shifted = token_shift(x, keep) if cache is None else cached_token_shift(x, cache.ffn_x, keep, cu_seqlens)
-        xx = shifted - x
-        k = torch.relu(self.key(x + xx * self.maa_k.to(x.dtype))).square()
-        return torch.sigmoid(self.receptance(x + xx * self.maa_r.to(x.dtype))) * self.value(k)
+        xk, xr = token_shift_mix(x, torch.stack([self.maa_k, self.maa_r]), keep, cu_seqlens,
+                                 None if cache is None else cache.ffn_x)
+        k = torch.relu(self.key(xk)).square()
+        return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
 
 class Block(nn.Module):

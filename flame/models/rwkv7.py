@@ -17,7 +17,7 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, ortho_init, token_shift
+from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, ortho_init, token_shift_mix
 from kernels.rwkv7 import chunk_rwkv7
 from kernels.rwkv7.step import recurrent_step
 from kernels.rwkv7_key import rwkv7_key
@@ -138,8 +138,8 @@ class TimeMix(nn.Module):
         continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
         H, N = self.n_heads, self.args.head_dim
-        xx = (token_shift(x, keep) if cache is None else cached_token_shift(x, cache.attn_x, keep, cu_seqlens)) - x
-        xr, xw, xk, xv, xa, xg = x[None] + xx[None] * self.lerp[:, None, None, :].to(x.dtype)
+        prev = None if cache is None else cache.attn_x
+        xr, xw, xk, xv, xa, xg = token_shift_mix(x, self.lerp, keep, cu_seqlens, prev)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
         # The log decay in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels over long contexts.
         z = self.w0.float() + torch.tanh((xw @ self.w1).float()) @ self.w2.float()
@@ -194,8 +194,7 @@ class ChannelMix(nn.Module):
         nn.init.zeros_(self.value.weight)
 
     def forward(self, x, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
-        shifted = token_shift(x, keep) if cache is None else cached_token_shift(x, cache.ffn_x, keep, cu_seqlens)
-        h = x + (shifted - x) * self.x_k.to(x.dtype)
+        h = token_shift_mix(x, self.x_k[None], keep, cu_seqlens, None if cache is None else cache.ffn_x)[0]
         return self.value(torch.relu(self.key(h)).square())
 
 

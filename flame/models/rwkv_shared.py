@@ -1,5 +1,6 @@
-"""What both RWKV generations (flame/models/rwkv6.py, rwkv7.py) share: the token shift, with its cached form for
-decoding, RWKV-LM's orthogonal init, the cache, and the model around the blocks (RWKVModel)."""
+"""What both RWKV generations (flame/models/rwkv6.py, rwkv7.py) share: the token shift (with its lerps fused, and
+alone for RWKV-6's data-dependent lerps), with their cached forms for decoding, RWKV-LM's orthogonal init, the cache,
+and the model around the blocks (RWKVModel)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
 from flame.optim import ParamGroup, trainable_parameters
+from kernels.token_shift import shift_mix
 
 
 def token_shift(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -31,6 +33,17 @@ def cached_token_shift(x: torch.Tensor, prev: torch.Tensor, keep: torch.Tensor |
         shifted = token_shift(x, keep)
     prev.copy_(last_tokens(x, cu_seqlens))
     return shifted
+
+
+def token_shift_mix(x: torch.Tensor, mix: torch.Tensor, keep: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None) -> torch.Tensor:
+    """x + (x_{t-1} - x) * mix[i] for each row of mix [n, C]: [n, B, T, C], in one pass over x (kernels.token_shift).
+    With a cache's `prev` [B, C] (a cached pass) rows of x continue their sequences from prev, packed documents (a
+    prefill) start from zero as in training; prev then holds each sequence's last x (updated in place)."""
+    out = shift_mix(x, mix, keep, prev if prev is not None and cu_seqlens is None else None)
+    if prev is not None:
+        prev.copy_(last_tokens(x, cu_seqlens))
+    return out
 
 
 def last_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
