@@ -22,7 +22,7 @@ def head_tile(i_t, i_h, M, C: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, B
 
 @triton.jit
 def key_terms(k, a_pre, k_k, k_a, offs, mask, ch, m_c):
-    """k and a = sigmoid(a_pre) (fp32), k_k and k_a [1, BN], u = k * k_k, its norm [BT, 1] and kk = u / max(norm, eps)."""
+    """fp32: k, a = sigmoid(a_pre), k_k and k_a [1, BN], u = k * k_k, its norm [BT, 1], kk = u / max(norm, eps)."""
     kf = tl.load(k + offs, mask=mask, other=0.).to(tl.float32)
     a = tl.sigmoid(tl.load(a_pre + offs, mask=mask, other=0.).to(tl.float32))
     kkw = tl.load(k_k + ch, mask=m_c, other=0.).to(tl.float32)[None, :]
