@@ -84,12 +84,17 @@ def _key(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, back
          settings: str) -> tuple[Tensor, Tensor, Tensor]:
     if _use_triton(k, backend):
         return _fwd_triton(k, a_pre, k_k, k_a, head_dim, Settings.decode(settings))
-    return naive_rwkv7_key(k, a_pre, k_k, k_a, head_dim)
+    return _contiguous(naive_rwkv7_key(k, a_pre, k_k, k_a, head_dim))
+
+
+def _contiguous(xs):
+    # every path returns contiguous tensors, as the fakes say (elementwise ops on strided inputs keep their strides)
+    return tuple(x.contiguous() for x in xs)
 
 
 @_key.register_fake
 def _(k, a_pre, k_k, k_a, head_dim, backend, settings):
-    return torch.empty_like(k), torch.empty_like(k), torch.empty_like(k)
+    return k.new_empty(k.shape), k.new_empty(k.shape), k.new_empty(k.shape)
 
 
 @torch.library.custom_op("flame::rwkv7_key_bwd", mutates_args=())
@@ -97,12 +102,12 @@ def _key_bwd(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, dk_new: Tensor,
              head_dim: int, backend: str, settings: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if _use_triton(k, backend):
         return _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, Settings.decode(settings))
-    return naive_rwkv7_key_bwd(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim)
+    return _contiguous(naive_rwkv7_key_bwd(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim))
 
 
 @_key_bwd.register_fake
 def _(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, backend, settings):
-    return torch.empty_like(k), torch.empty_like(a_pre), torch.empty_like(k_k), torch.empty_like(k_a)
+    return tuple(x.new_empty(x.shape) for x in (k, a_pre, k_k, k_a))
 
 
 def _setup_context(ctx, inputs, output):

@@ -90,12 +90,13 @@ def _out(o: Tensor, r: Tensor, k: Tensor, v: Tensor, r_k: Tensor, ln_w: Tensor, 
          backend: str, settings: str) -> Tensor:
     if _use_triton(g, backend):
         return _fwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, eps, Settings.decode(settings))
-    return naive_rwkv7_out(o, r, k, v, r_k, ln_w, ln_b, g, eps)
+    # contiguous, as the fakes say (elementwise ops on strided inputs keep their strides)
+    return naive_rwkv7_out(o, r, k, v, r_k, ln_w, ln_b, g, eps).contiguous()
 
 
 @_out.register_fake
 def _(o, r, k, v, r_k, ln_w, ln_b, g, eps, backend, settings):
-    return torch.empty_like(g)
+    return g.new_empty(g.shape)
 
 
 @torch.library.custom_op("flame::rwkv7_out_bwd", mutates_args=())
@@ -104,12 +105,12 @@ def _out_bwd(o: Tensor, r: Tensor, k: Tensor, v: Tensor, r_k: Tensor, ln_w: Tens
                                                                            Tensor, Tensor, Tensor]:
     if _use_triton(g, backend):
         return _bwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps, Settings.decode(settings))
-    return naive_rwkv7_out_bwd(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps)
+    return tuple(x.contiguous() for x in naive_rwkv7_out_bwd(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps))
 
 
 @_out_bwd.register_fake
 def _(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps, backend, settings):
-    return tuple(torch.empty_like(x) for x in (o, r, k, v, r_k, ln_w, ln_b, g))
+    return tuple(x.new_empty(x.shape) for x in (o, r, k, v, r_k, ln_w, ln_b, g))
 
 
 def _setup_context(ctx, inputs, output):

@@ -170,12 +170,16 @@ def test_opcheck(backend):
     gen = torch.Generator().manual_seed(7)
     B, T, H, N = 1, 5, 2, 16
     ks = KeySettings().encode()
-    xs = [x.requires_grad_(True) for x in key_inputs(B, T, H, N, torch.float32, gen)]
+    xs = key_inputs(B, T, H, N, torch.float32, gen)
+    xs[0] = torch.cat((xs[0], xs[0]), -1)[..., :H * N]            # strided inputs: contiguous outputs, as the fakes
+    xs = [x.detach().requires_grad_(True) for x in xs]
     opcheck(torch.ops.flame.rwkv7_key.default, (*xs, N, backend, ks))
     dys = [torch.randn(B, T, H * N, generator=gen) for _ in range(3)]
     opcheck(torch.ops.flame.rwkv7_key_bwd.default, (*[x.detach() for x in xs], *dys, N, backend, ks))
     os_ = OutSettings().encode()
-    xs = [x.requires_grad_(True) for x in out_inputs(B, T, H, N, torch.float32, gen)]
+    xs = out_inputs(B, T, H, N, torch.float32, gen)
+    xs[1] = xs[1].transpose(1, 2).contiguous().transpose(1, 2)   # r strided as [B, H, T, N]
+    xs = [x.detach().requires_grad_(True) for x in xs]
     opcheck(torch.ops.flame.rwkv7_out.default, (*xs, EPS_OUT, backend, os_))
     dy = torch.randn(B, T, H * N, generator=gen)
     opcheck(torch.ops.flame.rwkv7_out_bwd.default, (*[x.detach() for x in xs], dy, EPS_OUT, backend, os_))
