@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+STARTED = time.perf_counter()
+"""When this process began running flame.train, before torch is imported: the origin of time_to_first_step_sec."""
+
 if __name__ == "__main__":  # a rank starting up: before the slow imports, end with the launcher, keep stop signals
     from flame import lifeline, stop_signals
 
@@ -212,6 +215,7 @@ class Trainer:
         t = self.cfg.training
         if self.step >= t.steps:
             self.print(f"nothing to train: the run is at step {self.step} of training.steps = {t.steps}")
+        first_step_logged = False
         while self.step < t.steps:
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
             lr = self.optimizer.param_groups[0]["lr"]
@@ -219,6 +223,9 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.global_batch * t.seq_len
             self.metrics.count(self.global_batch * t.seq_len)
+            if not first_step_logged:  # start-up, compilation and autotuning included; once per launch
+                first_step_logged = True
+                self.metrics.log_extra(self.step, {"time_to_first_step_sec": time.perf_counter() - STARTED})
             if self.step == 1:
                 self.sanity_check_first_loss(result.loss)
             if self.cfg.checkpoint.enable and not self.staging_ready:

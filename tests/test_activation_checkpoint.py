@@ -1,8 +1,11 @@
 """training.activation_checkpoint: none, selective and full give the same loss and gradients; selective's backward
 repeats no matmul of the forward (full's repeats them all) but does recompute the cheap ops; a short training run
-under selective checkpointing logs the losses of a run without; a bad value stops with one line."""
+under selective checkpointing logs the losses of a run without (and its time to first step once); a bad value
+stops with one line."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -69,10 +72,15 @@ def test_selective_training_run_logs_the_losses_of_a_plain_run(tmp_path):
     losses = {}
     for mode in ("none", "selective"):
         dump = tmp_path / mode
+        started = time.perf_counter()
         proc = run_train(config, f"--job.dump_folder={dump}", f"--training.activation_checkpoint={mode}",
                          "--training.steps=3", "--checkpoint.enable=false")
+        wall = time.perf_counter() - started
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[mode] = [r["loss"] for r in read_metrics(dump)]
+        # the start-up figure scripts/bench_train.py reports: logged once, at the first step, within the run's time
+        (first,) = read_metrics(dump, "time_to_first_step_sec")
+        assert first["step"] == 1 and 0 < first["time_to_first_step_sec"] < wall
     assert len(losses["none"]) == 3
     assert losses["selective"] == pytest.approx(losses["none"], rel=1e-6)
 
