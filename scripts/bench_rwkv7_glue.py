@@ -4,6 +4,7 @@ run, same GPU, bf16 inputs as the model makes them.
 
     python scripts/bench_rwkv7_glue.py                          # B=2 T=4096 C=1280 N=64 and B=8 T=4096 C=2048
     python scripts/bench_rwkv7_glue.py --shape 2 4096 1280 64   # one shape: B T C N
+    python scripts/bench_rwkv7_glue.py --set key.fwd_tokens=64 --set out.warps=8   # other Settings fields
 
 (kernels/ops.py describes the chunk ops, whose adapters and offline compile checks assume a chunk kernel; these two
 elementwise ops have one launch regime each, so they are timed here.)
@@ -21,7 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.rwkv7_key import naive_rwkv7_key, rwkv7_key  # noqa: E402
+from kernels.rwkv7_key.op import Settings as KeySettings  # noqa: E402
 from kernels.rwkv7_out import naive_rwkv7_out, rwkv7_out  # noqa: E402
+from kernels.rwkv7_out.op import Settings as OutSettings  # noqa: E402
 
 SHAPES = ((2, 4096, 1280, 64), (8, 4096, 2048, 64))
 EPS = 64e-5
@@ -75,20 +78,40 @@ def bench(fn, inputs, device) -> tuple[float, float]:
     return timed(forward, device), timed(forward_backward, device)
 
 
+def parse_settings(items: list[str]) -> dict:
+    """{"key": KeySettings, "out": OutSettings} with the "op.field=value" items applied (integer fields)."""
+    fields = {"key": {}, "out": {}}
+    for item in items:
+        target, _, value = item.partition("=")
+        op, _, field = target.partition(".")
+        if op not in fields or field not in KeySettings.__dataclass_fields__ or not value.strip().isdigit():
+            raise ValueError(f"setting {item!r}: expected key.FIELD=INT or out.FIELD=INT, FIELD one of "
+                             f"{', '.join(KeySettings.__dataclass_fields__)}")
+        fields[op][field] = int(value)
+    return {"key": KeySettings(**fields["key"]), "out": OutSettings(**fields["out"])}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, metavar=("B", "T", "C", "N"), help="one shape instead of both")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only checks that it runs")
+    p.add_argument("--set", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="a Settings field of key or out other than its default, e.g. key.fwd_tokens=64")
     args = p.parse_args()
+    try:
+        settings = parse_settings(args.set)
+    except ValueError as e:
+        p.exit(2, f"bench_rwkv7_glue: {e}\n")
+    print(f"settings: {settings}")
     if args.device == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
     for B, T, C, N in [tuple(args.shape)] if args.shape else SHAPES:
         cases = {
             "key": (key_inputs(B, T, C, N, args.device),
-                    lambda *x: rwkv7_key(*x, N), lambda *x: naive_rwkv7_key(*x, N)),
+                    lambda *x: rwkv7_key(*x, N, settings=settings["key"]), lambda *x: naive_rwkv7_key(*x, N)),
             "out": (out_inputs(B, T, C, N, args.device),
-                    lambda *x: rwkv7_out(*x, EPS), lambda *x: naive_rwkv7_out(*x, EPS)),
+                    lambda *x: rwkv7_out(*x, EPS, settings=settings["out"]), lambda *x: naive_rwkv7_out(*x, EPS)),
         }
         for op, (inputs, fused, plain) in cases.items():
             res = {"fused (Triton)": bench(fused, inputs, args.device),
