@@ -95,8 +95,11 @@ def train(cfg, steps: int, activation_checkpoint: bool) -> dict:
         for mb in micro_batches:
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                mean = model(input_ids=ids, shift_labels=labels).loss
-            loss = mean * (int((mb["labels"] != IGNORE_INDEX).sum()) / targets)  # the step's mean over all targets
+                hidden = model.model(input_ids=ids, use_cache=False)[0]
+                # FLA's own loss path (fused cross entropy, L2Wrap) on our labels, which are already shifted (the
+                # model's forward would shift them again); summed and divided by the step's target count, as ours
+                loss, _ = model._compute_logits_and_loss(hidden_states=hidden, shift_labels=labels,
+                                                         num_items_in_batch=targets)
             loss.backward()
             loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm or float("inf"))
