@@ -108,6 +108,11 @@ def model_name(config: str) -> str:
     return load_config(config).model.name
 
 
+def usage_error(line: str) -> None:
+    print(f"bench_train: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="+", help="one or more run configs (.toml)")
@@ -121,13 +126,13 @@ def main() -> None:
     counts = [int(n) for n in a.nproc.split(",")]
     variants = a.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variant {unknown[0]!r} (one of: {', '.join(VARIANTS)})")
-    if a.steps < 2:
-        p.error("--steps must be at least 2 (the second half is measured)")
     missing = [c for c in a.configs if not Path(c).is_file()]
+    if unknown:
+        usage_error(f"--variants: unknown variant {unknown[0]!r} (one of: {', '.join(VARIANTS)})")
+    if a.steps < 2:
+        usage_error(f"--steps must be at least 2 (the second half is measured), got {a.steps}")
     if missing:
-        p.error(f"no config file {missing[0]}")
+        usage_error(f"no config file {missing[0]}")
     rows, notes = [], []
     for config in a.configs:
         name, config = Path(config).stem, str(Path(config).resolve())  # the runs start in the repository
