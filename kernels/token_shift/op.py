@@ -36,15 +36,18 @@ class Settings:
     """Channels per forward program (at most the next power of two of C): C = 1024, 1280, 1536, 2048 split evenly."""
     fwd_warps: int = 4
     """Warps of the forward."""
-    bwd_bt: int = 4
-    """Tokens per backward tile: the compiler issues all 2n grad tiles' loads at once (n = 6: 146 registers at
-    4 x 256 for sm_90, 255 with spills at 8 x 256)."""
+    bwd_bt: int = 1
+    """Tokens per backward tile. One token per tile and one warp per program: the tile's sum over tokens for dmix
+    then stays in each thread (taller tiles with a warp per row reduce across warps through shared memory, with
+    barriers at every one of the n grads), and the compiler issues all 2n grad loads of a tile at once (n = 6, sm_90:
+    168 registers, no spills; 146 at 4 x 256 with 4 warps, 255 and spills at 8 x 256)."""
     bwd_bc: int = 256
-    """Channels per backward program."""
-    bwd_tiles: int = 16
+    """Channels per backward program (8 bf16 per thread of one warp: 16-byte loads)."""
+    bwd_tiles: int = 64
     """Backward tiles per program, walked in order: each program writes one partial dmix [n, BC], so more tokens per
-    program make the partial sums (and their reduction) a smaller part of the traffic (64 tokens: 5% of it at n = 6)."""
-    bwd_warps: int = 4
+    program make the partial sums (and their reduction) a smaller part of the traffic (64 tokens: 5% of it at n = 6),
+    and the grid stays within what an H100 holds at once (RWKV-7 0.6B: 1280 one-warp programs)."""
+    bwd_warps: int = 1
     """Warps of the backward."""
 
     def encode(self) -> str:
