@@ -141,15 +141,16 @@ class TimeMix(nn.Module):
         prev = None if cache is None else cache.attn_x
         xr, xw, xk, xv, xa, xg = token_shift_mix(x, self.lerp, keep, cu_seqlens, prev)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
-        # The log decay in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels over long contexts.
-        z = self.w0.float() + torch.tanh((xw @ self.w1).float()) @ self.w2.float()
+        # The log decay's nonlinearities in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels
+        # over long contexts. The low-rank products run in x's dtype (fp32 accumulation), as RWKV-LM's.
+        z = self.w0.float() + (torch.tanh((xw @ self.w1).float()).to(x.dtype) @ self.w2).float()
         w = -DECAY_SCALE * torch.sigmoid(z)
         if self.supplies_v_first:
             v_first = v
         else:
-            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
+            v = v + ((v_first - v) * torch.sigmoid((self.v0 + (xv @ self.v1) @ self.v2).float())).to(v.dtype)
         a_pre = self.a0 + (xa @ self.a1) @ self.a2        # the in-context rate a = sigmoid(a_pre), in rwkv7_key
-        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        g = torch.sigmoid((xg @ self.g1).float()).to(x.dtype) @ self.g2   # gates in fp32 too, as the decay
         # k updated by the rate, the removal key -kk and the replacement kk * a (kk = normalize(k * k_k) per head)
         k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_pre, self.k_k, self.k_a, N))
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
