@@ -47,7 +47,8 @@ if [[ $stages == *bench* ]]; then
   for c in $config; do
     echo "== $c throughput on ${BENCH_NPROC:-1} GPU(s)"
     timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_train.py "$c" --nproc "${BENCH_NPROC:-1}" \
-      --steps ${BENCH_STEPS:-20} --timeout ${BENCH_RUN_TIMEOUT:-200} --variants ${VARIANTS:-nocompile,compile,compile+ac} 2>&1 \
-      | tee -a "$OUT/bench_train.txt" | grep -v "^[0-9]* [a-z+]* {"
+      --steps ${BENCH_STEPS:-20} --timeout ${BENCH_RUN_TIMEOUT:-200} \
+      --variants ${VARIANTS:-nocompile,compile,compile+ac} --no-fla 2>&1 \
+      | tee -a "$OUT/bench_train.txt" | grep -v "^[^ ]* [0-9]* [a-z+]* {"
   done
 fi
