@@ -2,12 +2,16 @@
 (kernels/<op>/chunk.py), e.g.
 
     python scripts/bench_kernels.py --set rwkv7.scan_bv=32 --set gsa.scan_warps=8
+
+A custom op (flame::chunk_<op>) takes no dataclass: its Settings travel as text, `to_text(settings)` ("field=value"
+of the changed fields, comma-separated; "" for the defaults), and come back as `from_text(op, text)`.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 
 
 def parse(items: list[str]) -> dict:
@@ -33,3 +37,19 @@ def parse(items: list[str]) -> dict:
             value = text.strip()                         # bf16
         changes.setdefault(op, {})[field] = value
     return {op: OPS[op].settings_type()(**kw) for op, kw in changes.items()}
+
+
+def to_text(settings) -> str:
+    """The fields of a Settings that differ from its defaults, as "field=value,..." ("" for the defaults)."""
+    default = type(settings)()
+    return ",".join(f"{f.name}={getattr(settings, f.name)!r}" for f in dataclasses.fields(settings)
+                    if getattr(settings, f.name) != getattr(default, f.name))
+
+
+@functools.lru_cache(maxsize=64)
+def from_text(op: str, text: str):
+    """op's Settings from to_text's text (None or "": the defaults)."""
+    from kernels.ops import OPS
+
+    items = [f"{op}.{item}" for item in (text or "").split(",") if item]
+    return parse(items).get(op) or OPS[op].settings_type()()

@@ -52,11 +52,16 @@ def chunk_tables(cu_seqlens: torch.Tensor, chunk: int, total: int, seq_len: int 
     cu = cu_seqlens.long()
     per_seq = (cu[1:] - cu[:-1] + chunk - 1) // chunk
     offsets = torch.cat((per_seq.new_zeros(1), per_seq.cumsum(0)))
-    NT = total // chunk + N
+    NT = chunk_count(N, chunk, total)
     c = torch.arange(NT, device=cu.device)
     n = torch.searchsorted(offsets[1:], c, right=True).clamp_max(N - 1)
     index = torch.stack((n, c - offsets[n]), dim=1).to(torch.int32)
     return offsets.to(torch.int32), index, NT
+
+
+def chunk_count(N: int, chunk: int, total: int, seq_len: int | None = None) -> int:
+    """NT of chunk_tables from shapes alone (what a custom op's fake needs to shape per-chunk outputs)."""
+    return N * -(-seq_len // chunk) if seq_len is not None else total // chunk + N
 
 
 @functools.lru_cache(maxsize=16)
@@ -65,4 +70,4 @@ def _equal_rows_tables(B: int, T: int, chunk: int, device: torch.device):
     c = torch.arange(B * per_seq, dtype=torch.int32, device=device)
     index = torch.stack((c // per_seq, c % per_seq), dim=1) if per_seq else c.new_zeros(0, 2)
     offsets = torch.arange(B + 1, dtype=torch.int32, device=device) * per_seq
-    return offsets, index, B * per_seq
+    return offsets, index, chunk_count(B, chunk, B * T, T)

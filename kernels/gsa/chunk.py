@@ -1,5 +1,5 @@
-"""GSA (Gated Slot Attention), chunked: the public call, its settings, the launches and the autograd Function (math
-and design in README.md; the Triton kernels in fwd.py and bwd.py).
+"""GSA (Gated Slot Attention), chunked: the public call, its settings, the launches and the custom ops around them
+(math and design in README.md; the Triton kernels in fwd.py and bwd.py).
 
     o, final_state = chunk_gsa(q, k, v, s, g, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, backend=None, settings=None)
@@ -9,6 +9,10 @@ q, k: [B, T, H, K]; v: [B, T, H, V]; s (slot writes), g (log forget gate, <= 0; 
 packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU tensors to the PyTorch chunked path;
 backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU tensors under TRITON_INTERPRET=1, the
 sm_90 compile records its launches on meta tensors).
+
+The Triton path is the operator flame::chunk_gsa (backward: flame::chunk_gsa_bwd), so that torch.compile traces a
+whole block through it without a graph break. The PyTorch path stays outside: it is differentiable and traceable as
+it is.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from kernels.gsa.torch_chunk import chunk_gsa_torch
 from kernels.launch import launch
-from kernels.utils import as_varlen, chunk_tables, is_interpreting, next_pow2, scan_tile
+from kernels.settings import from_text, to_text
+from kernels.utils import as_varlen, chunk_count, chunk_tables, is_interpreting, next_pow2, scan_tile
 
 try:
     import triton
@@ -257,31 +262,90 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     return dq, dk, dv, ds, dg, dhk0, dhv0
 
 
-class _ChunkGSA(torch.autograd.Function):
-    """Packed inputs [1, T, H, *]; states in the kernels' layout: Hk^T [N, H, M, K] and Hv [N, H, M, V]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables, st):
-        o, hkt, hvt, kept = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables, st)
-        # only the inputs and small [T, H, M] / [T, H, BT] factors are kept: the backward rescans the chunk states
-        # instead of holding them
-        ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu, *kept)
-        ctx.tables, ctx.scale, ctx.st = tables, scale, st
-        return o, hkt, hvt
-
-    @staticmethod
-    def backward(ctx, do, dhkt, dhvt):
-        q, k, v, s, g, hk0, hv0, cu, *kept = ctx.saved_tensors
-        c = lambda x: None if x is None else x.contiguous()  # noqa: E731
-        dq, dk, dv, ds, dg, dhk0, dhv0 = _bwd(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.tables,
-                                              do.contiguous(), c(dhkt), c(dhvt), *kept, ctx.st)
-        return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None, None
+def _tables(cu, total: int, seq_len: int, M: int, st: Settings):
+    """chunk_tables for seq_len the common length of equal rows, or 0 for packed sequences of unknown lengths."""
+    return chunk_tables(cu, st.chunk_len(M), total, seq_len or None)
 
 
-# Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
-# tracing into the kernel launches.
-@torch.compiler.disable
-def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, st: Settings):
+# The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
+# Packed inputs [1, T, H, *] (g fp32), cu int32 [N+1]; states in the kernels' layout Hk^T [N, H, M, K], Hv [N, H, M,
+# V]. Besides o and the final states, the forward returns what the backward reads: only small [T, H, M] and
+# [T, H, BT] factors (the backward rescans the chunk states instead of holding them).
+def _forward_op(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
+    st = from_text("gsa", settings)
+    tables = _tables(cu, q.shape[1], seq_len, s.shape[3], st)
+    o, hkt, hvt, kept = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables, st)
+    return o, hkt, hvt, *kept
+
+
+chunk_gsa_op = torch.library.custom_op(
+    "flame::chunk_gsa", _forward_op, mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float scale, Tensor? hk0, Tensor? hv0, bool want_ht, "
+           "Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? hkt, Tensor? hvt, Tensor sE, Tensor egc, "
+           "Tensor p, Tensor z, Tensor gf, Tensor a1, Tensor a2)")
+
+
+@chunk_gsa_op.register_fake
+def _(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
+    st = from_text("gsa", settings)
+    _, T, H, K = q.shape
+    V, M, N = v.shape[3], s.shape[3], cu.shape[0] - 1
+    BT = st.chunk_len(M)
+    NT = chunk_count(N, BT, T, seq_len or None)
+    f32 = lambda *shape: q.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    hkt, hvt = (f32(N, H, M, K), f32(N, H, M, V)) if want_ht else (None, None)
+    return (torch.empty_like(v), hkt, hvt, _fed(g, _split(k, v)), f32(NT, H, M), f32(1, T, H, M), f32(1, T, H, M),
+            f32(H, M, NT * BT), f32(1, T, H, BT), f32(1, T, H, BT))
+
+
+def _backward_op(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt):
+    st = from_text("gsa", settings)
+    tables = _tables(cu, q.shape[1], seq_len, s.shape[3], st)
+    return _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2, st)
+
+
+chunk_gsa_bwd_op = torch.library.custom_op(
+    "flame::chunk_gsa_bwd", _backward_op, mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float scale, Tensor? hk0, Tensor? hv0, Tensor cu, "
+           "SymInt seq_len, str settings, Tensor sE, Tensor egc, Tensor p, Tensor z, Tensor gf, Tensor a1, "
+           "Tensor a2, Tensor do, Tensor? dhkt, Tensor? dhvt) -> (Tensor dq, Tensor dk, Tensor dv, Tensor ds, "
+           "Tensor dg, Tensor? dhk0, Tensor? dhv0)")
+
+
+@chunk_gsa_bwd_op.register_fake
+def _(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt):
+    return (*(torch.empty_like(x) for x in (q, k, v, s, g)),
+            *(None if h is None else torch.empty_like(h) for h in (hk0, hv0)))
+
+
+def _autograd_setup(ctx, inputs, output):
+    q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings = inputs
+    kept = output[3:]
+    ctx.mark_non_differentiable(*kept)
+    # no zero gradients made for the kept factors; an unused o gets one below
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu, *kept)
+    ctx.scale, ctx.seq_len, ctx.settings = scale, seq_len, settings
+
+
+def _autograd_backward(ctx, do, dhkt, dhvt, *_):
+    q, k, v, s, g, hk0, hv0, cu, *kept = ctx.saved_tensors
+    c = lambda x: None if x is None else x.contiguous()  # noqa: E731
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dq, dk, dv, ds, dg, dhk0, dhv0 = chunk_gsa_bwd_op(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.seq_len,
+                                                      ctx.settings, *kept, do, c(dhkt), c(dhvt))
+    return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None, None
+
+
+chunk_gsa_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
+# Meta tensors run the launch code itself (kernels.launch.record lists the launches there); FakeTensorMode (tracing)
+# takes the fakes above.
+chunk_gsa_op.register_kernel("meta", _forward_op)
+chunk_gsa_bwd_op.register_kernel("meta", _backward_op)
+
+
+def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None):
+    st = settings or Settings()
     B, T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     if cu_seqlens is not None:
@@ -297,9 +361,8 @@ def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, c
     if initial_state is not None:
         hk0 = initial_state[0].float().transpose(-1, -2).contiguous()
         hv0 = initial_state[1].float().contiguous()
-    tables = chunk_tables(cu, BT, B * T, T if cu_seqlens is None else None)
-    o, hkt, hvt = _ChunkGSA.apply(q_, k_, v_, s_, g_, float(scale), hk0, hv0, bool(output_final_state), cu, tables,
-                                  st)
+    o, hkt, hvt, *_ = chunk_gsa_op(q_, k_, v_, s_, g_, float(scale), hk0, hv0, bool(output_final_state), cu,
+                                   T if cu_seqlens is None else 0, "" if settings is None else to_text(settings))
     final = (hkt.transpose(-1, -2), hvt) if output_final_state else None
     return o.reshape(B, T, H, V), final
 
@@ -318,5 +381,4 @@ def chunk_gsa(q, k, v, s, g, scale: float | None = None, initial_state=None, out
         return chunk_gsa_torch(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens)
     if backend != "triton":
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    return _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens,
-                             settings or Settings())
+    return _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings)

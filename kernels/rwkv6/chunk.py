@@ -1,6 +1,6 @@
 """RWKV-6 ("Finch": diagonal data-dependent decay and a bonus for the current token), chunked: the public call, its
-settings, the launches and the autograd Function (math and design in README.md; the Triton kernels in fwd.py and
-bwd.py).
+settings, the launches and the custom ops around them (math and design in README.md; the Triton kernels in fwd.py
+and bwd.py).
 
     o, final_state = chunk_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False,
                                  cu_seqlens=None, backend=None, settings=None)
@@ -10,6 +10,10 @@ scale None means K^-0.5. Initial and final states [N, H, K, V] fp32. cu_seqlens 
 CUDA tensors go to the Triton kernel, CPU tensors to the PyTorch chunked path; backend='triton' | 'torch' forces one
 (tests run the Triton kernel on CPU tensors under TRITON_INTERPRET=1, the sm_90 compile records its launches on meta
 tensors).
+
+The Triton path is the operator flame::chunk_rwkv6 (backward: flame::chunk_rwkv6_bwd), so that torch.compile traces
+a whole block through it without a graph break. The PyTorch path stays outside: it is differentiable and traceable
+as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 
 from kernels.launch import launch
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
-from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
+from kernels.settings import from_text, to_text
+from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
 
 
 @dataclass(frozen=True)
@@ -151,26 +156,85 @@ def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, blocks, do, dht, s: Settings):
     return dr, dk, dv, dw, du.sum(0).to(u.dtype), dh0
 
 
-class _ChunkRWKV6(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, settings):
-        o, ht, h = _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, settings)
-        ctx.save_for_backward(r, k, v, w, u, h0, cu, h)
-        ctx.scale, ctx.tables, ctx.blocks, ctx.settings = scale, tables, blocks, settings
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        r, k, v, w, u, h0, cu, h = ctx.saved_tensors
-        dr, dk, dv, dw, du, dh0 = _bwd(r, k, v, w, u, ctx.scale, h0, cu, h, ctx.tables, ctx.blocks, do.contiguous(),
-                                       None if dht is None else dht.contiguous(), ctx.settings)
-        return dr, dk, dv, dw, du, None, dh0, None, None, None, None, None
+def _tables(cu, total: int, seq_len: int, K: int, H: int, V: int, s: Settings):
+    """(chunk tables, block tables or None): seq_len 0 means packed sequences of unknown lengths."""
+    seq_len = seq_len or None
+    BT = s.chunk_size(K)
+    tables = chunk_tables(cu, BT, total, seq_len)
+    if not s.blocked(cu.numel() - 1, H, V):
+        return tables, None
+    return tables, chunk_tables(cu, BT * s.block_chunks, total, seq_len)
 
 
-# Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
-# tracing into the kernel launches.
-@torch.compiler.disable
-def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, s: Settings):
+# The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
+# Packed inputs [1, T, H, *] (w fp32), cu int32 [N+1]; seq_len the common length of equal rows or 0. Besides o and
+# the final state, the forward returns what the backward reads: the chunk states h.
+def _forward_op(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
+    s = from_text("rwkv6", settings)
+    tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[3], r.shape[2], v.shape[3], s)
+    return _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, s)
+
+
+chunk_rwkv6_op = torch.library.custom_op(
+    "flame::chunk_rwkv6", _forward_op, mutates_args=(),
+    schema="(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float scale, Tensor? h0, bool want_ht, Tensor cu, "
+           "SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h)")
+
+
+@chunk_rwkv6_op.register_fake
+def _(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
+    s = from_text("rwkv6", settings)
+    _, T, H, K = r.shape
+    V, N = v.shape[3], cu.shape[0] - 1
+    NT = chunk_count(N, s.chunk_size(K), T, seq_len or None)
+    f32 = lambda *shape: r.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return torch.empty_like(v), f32(N, H, K, V) if want_ht else None, f32(NT, H, K, V)
+
+
+def _backward_op(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, do, dht):
+    s = from_text("rwkv6", settings)
+    tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[3], r.shape[2], v.shape[3], s)
+    return _bwd(r, k, v, w, u, scale, h0, cu, h, tables, blocks, do, dht, s)
+
+
+chunk_rwkv6_bwd_op = torch.library.custom_op(
+    "flame::chunk_rwkv6_bwd", _backward_op, mutates_args=(),
+    schema="(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float scale, Tensor? h0, Tensor cu, SymInt seq_len, "
+           "str settings, Tensor h, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, "
+           "Tensor du, Tensor? dh0)")
+
+
+@chunk_rwkv6_bwd_op.register_fake
+def _(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, do, dht):
+    return (*(torch.empty_like(x) for x in (r, k, v, w, u)), None if h0 is None else torch.empty_like(h0))
+
+
+def _autograd_setup(ctx, inputs, output):
+    r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings = inputs
+    h = output[2]
+    ctx.mark_non_differentiable(h)
+    # no zero gradient made for the chunk states; an unused o gets one below
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(r, k, v, w, u, h0, cu, h)
+    ctx.scale, ctx.seq_len, ctx.settings = scale, seq_len, settings
+
+
+def _autograd_backward(ctx, do, dht, _):
+    r, k, v, w, u, h0, cu, h = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dr, dk, dv, dw, du, dh0 = chunk_rwkv6_bwd_op(r, k, v, w, u, ctx.scale, h0, cu, ctx.seq_len, ctx.settings, h, do,
+                                                 None if dht is None else dht.contiguous())
+    return dr, dk, dv, dw, du, None, dh0, None, None, None, None
+
+
+chunk_rwkv6_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
+# Meta tensors run the launch code itself (kernels.launch.record lists the launches there); FakeTensorMode (tracing)
+# takes the fakes above.
+chunk_rwkv6_op.register_kernel("meta", _forward_op)
+chunk_rwkv6_bwd_op.register_kernel("meta", _backward_op)
+
+
+def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, settings: str):
     B, T, H, K = r.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
@@ -181,12 +245,8 @@ def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state,
     r_, k_, v_ = (flat(x) for x in (r, k, v))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    seq_len = T if cu_seqlens is None else None
-    BT = s.chunk_size(K)
-    tables = chunk_tables(cu, BT, B * T, seq_len)
-    blocks = chunk_tables(cu, BT * s.block_chunks, B * T, seq_len) if s.blocked(cu.numel() - 1, H, V) else None
-    o, ht = _ChunkRWKV6.apply(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
-                              tables, blocks, s)
+    o, ht, _ = chunk_rwkv6_op(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
+                              T if cu_seqlens is None else 0, settings)
     return o.reshape(B, T, H, V), ht
 
 
@@ -203,7 +263,7 @@ def chunk_rwkv6(r, k, v, w, u, scale: float | None = None, initial_state=None, o
     if backend != "triton":
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
     return _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
-                               settings or Settings())
+                               "" if settings is None else to_text(settings))
 
 
 try:

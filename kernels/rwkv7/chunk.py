@@ -1,5 +1,5 @@
 """RWKV-7 (generalized delta rule, diagonal-plus-rank-one transition), chunked: the public call, its settings, the
-launches and the autograd Function (math and design in README.md; the Triton kernels in fwd.py and bwd.py).
+launches and the custom ops around them (math and design in README.md; the Triton kernels in fwd.py and bwd.py).
 
     o, final_state = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
                                  cu_seqlens=None, backend=None, settings=None)
@@ -8,6 +8,10 @@ r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; w is the log decay (<= 0; computed
 states [N, H, K, V] fp32. cu_seqlens [N+1] packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU
 tensors to the PyTorch chunked path; backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU
 tensors under TRITON_INTERPRET=1, the sm_90 compile records its launches on meta tensors).
+
+The Triton path is the operator flame::chunk_rwkv7 (backward: flame::chunk_rwkv7_bwd), so that torch.compile traces
+a whole block through it without a graph break. The PyTorch path stays outside: it is differentiable and traceable
+as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 
 from kernels.launch import launch
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
-from kernels.utils import as_varlen, chunk_tables, next_pow2, scan_tile
+from kernels.settings import from_text, to_text
+from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
 
 
 @dataclass(frozen=True)
@@ -161,26 +166,92 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Set
     return dr, dw, dk, dv, da, db, dh0
 
 
-class _ChunkRWKV7(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, settings):
-        o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, settings)
-        ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved)
-        ctx.scale, ctx.tables, ctx.blocks, ctx.settings = scale, tables, blocks, settings
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
-        dr, dw, dk, dv, da, db, dh0 = _bwd(r, w, k, v, a, b, ctx.scale, h0, cu, saved, ctx.tables, ctx.blocks,
-                                           do.contiguous(), None if dht is None else dht.contiguous(), ctx.settings)
-        return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None, None
+def _tables(cu, total: int, seq_len: int, H: int, V: int, s: Settings):
+    """(chunk tables, block tables or None): seq_len 0 means packed sequences of unknown lengths."""
+    seq_len = seq_len or None
+    tables = chunk_tables(cu, s.chunk, total, seq_len)
+    if not s.blocked(cu.numel() - 1, H, V):
+        return tables, None
+    return tables, chunk_tables(cu, s.chunk * s.block_chunks, total, seq_len)
 
 
-# Opaque to torch.compile: the model's blocks compile around this call (a graph break here), instead of Dynamo
-# tracing into the kernel launches.
-@torch.compiler.disable
-def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, s: Settings):
+# The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
+# Packed inputs [1, T, H, *] (w fp32), cu int32 [N+1]; seq_len the common length of equal rows or 0. Besides o and
+# the final state, the forward returns what the backward reads: the chunk states h, U, the chunk matrices, w by chunk
+# and (blocked scans) the block maps Mb.
+def _forward_op(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
+    s = from_text("rwkv7", settings)
+    tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
+    o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s)
+    return o, ht, *saved
+
+
+chunk_rwkv7_op = torch.library.custom_op(
+    "flame::chunk_rwkv7", _forward_op, mutates_args=(),
+    schema="(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, bool want_ht, "
+           "Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h, Tensor U, Tensor Arb, "
+           "Tensor Ark, Tensor Aak, Tensor Tinv, Tensor wf, Tensor? Mb)")
+
+
+@chunk_rwkv7_op.register_fake
+def _(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
+    s = from_text("rwkv7", settings)
+    _, T, H, K = r.shape
+    V, N, BT = v.shape[3], cu.shape[0] - 1, s.chunk
+    NT = chunk_count(N, BT, T, seq_len or None)
+    f32 = lambda *shape: r.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    Mb = None
+    if s.blocked(N, H, V):
+        Mb = f32(chunk_count(N, BT * s.block_chunks, T, seq_len or None), H, K, K)
+    return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, f32(NT, H, K, V), f32(1, T, H, V),
+            *(f32(1, T, H, BT) for _ in range(4)), f32(H, K, NT * BT), Mb)
+
+
+def _backward_op(r, w, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do, dht):
+    s = from_text("rwkv7", settings)
+    tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
+    return _bwd(r, w, k, v, a, b, scale, h0, cu, (h, U, Arb, Ark, Aak, Tinv, wf, Mb), tables, blocks, do, dht, s)
+
+
+chunk_rwkv7_bwd_op = torch.library.custom_op(
+    "flame::chunk_rwkv7_bwd", _backward_op, mutates_args=(),
+    schema="(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, Tensor cu, "
+           "SymInt seq_len, str settings, Tensor h, Tensor U, Tensor Arb, Tensor Ark, Tensor Aak, Tensor Tinv, "
+           "Tensor wf, Tensor? Mb, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, "
+           "Tensor da, Tensor db, Tensor? dh0)")
+
+
+@chunk_rwkv7_bwd_op.register_fake
+def _(r, w, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do, dht):
+    return (*(torch.empty_like(x) for x in (r, w, k, v, a, b)), None if h0 is None else torch.empty_like(h0))
+
+
+def _autograd_setup(ctx, inputs, output):
+    r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings = inputs
+    saved = output[2:]
+    ctx.mark_non_differentiable(*(x for x in saved if x is not None))
+    # no zero gradients made for the saved outputs (as large as the chunk states); an unused o gets one below
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved)
+    ctx.scale, ctx.seq_len, ctx.settings = scale, seq_len, settings
+
+
+def _autograd_backward(ctx, do, dht, *_):
+    r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dr, dw, dk, dv, da, db, dh0 = chunk_rwkv7_bwd_op(r, w, k, v, a, b, ctx.scale, h0, cu, ctx.seq_len, ctx.settings,
+                                                     *saved, do, None if dht is None else dht.contiguous())
+    return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
+
+
+chunk_rwkv7_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
+# Meta tensors run the launch code itself (kernels.launch.record lists the launches there); FakeTensorMode (tracing)
+# takes the fakes above.
+chunk_rwkv7_op.register_kernel("meta", _forward_op)
+chunk_rwkv7_bwd_op.register_kernel("meta", _backward_op)
+
+
+def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, settings: str):
     B, T, H, K = r.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
@@ -191,11 +262,8 @@ def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_sta
     r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    seq_len = T if cu_seqlens is None else None
-    tables = chunk_tables(cu, s.chunk, B * T, seq_len)
-    blocks = chunk_tables(cu, s.chunk * s.block_chunks, B * T, seq_len) if s.blocked(cu.numel() - 1, H, V) else None
-    o, ht = _ChunkRWKV7.apply(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu, tables,
-                              blocks, s)
+    o, ht, *_ = chunk_rwkv7_op(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu,
+                               T if cu_seqlens is None else 0, settings)
     return o.reshape(B, T, H, V), ht
 
 
@@ -210,7 +278,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output
     if backend != "triton":
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
     return _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                               settings or Settings())
+                               "" if settings is None else to_text(settings))
 
 
 try:

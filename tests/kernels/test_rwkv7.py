@@ -159,8 +159,8 @@ def test_triton_interpreter_stress_decays(interp):
 
 
 def test_triton_kernel_under_torch_compile(interp):
-    # The models compile their blocks (training.compile): the kernel call must stay a clean graph break (Dynamo
-    # tracing into the launches fails), with the same output and gradients as eager.
+    # The models compile their blocks (training.compile): the kernel call is the custom op flame::chunk_rwkv7, which
+    # Dynamo traces as one node instead of into the launches, with the same output and gradients as eager.
     from tests.helpers import assert_compiled_matches_eager
 
     def f(r, w, k, v, a, b):
