@@ -1,7 +1,7 @@
 """training.activation_checkpoint: none, selective and full give the same loss and gradients; selective's backward
-repeats no matmul of the forward (full's repeats them all) but does recompute the cheap ops; a short training run
-under selective checkpointing logs the losses of a run without (and its time to first step once); a bad value
-stops with one line."""
+repeats no matmul of the forward (full's repeats them all) but does recompute the cheap ops, and its wrapped blocks
+compile without a graph break; a short training run under selective checkpointing logs the losses of a run without
+(and its time to first step once); a bad value stops with one line."""
 
 from __future__ import annotations
 
@@ -34,13 +34,16 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def forward_backward(config: str, mode: str):
-    """Loss, gradients by parameter name, and the ops counted in backward, of one step of a tiny model."""
+def forward_backward(config: str, mode: str, compile_blocks=None):
+    """Loss, gradients by parameter name, and the ops counted in backward, of one step of a tiny model (its wrapped
+    blocks compiled by `compile_blocks`, if given)."""
     cfg = load_config(f"configs/{config}.toml", ["--model.vocab_size=512"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
     model.init_weights()
     wrap_blocks(model, mode)
+    if compile_blocks is not None:
+        compile_blocks(model)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
     loss = model(ids, labels=ids)
     with OpCounter() as backward_ops:
@@ -65,6 +68,26 @@ def test_checkpointing_changes_what_backward_runs_not_its_results(config):
         f"{config}: selective backward ran {selective.matmuls - plain.matmuls} matmuls of the forward again"
     assert selective.ops > plain.ops, f"{config}: selective checkpointing recomputed nothing"
     assert selective.ops < full.ops
+
+
+def test_selective_blocks_compile_whole(monkeypatch):
+    # parallelize's order for selective: wrap, then compile the wrapper. Dynamo must capture each wrapped RWKV-7
+    # block (chunk kernel and glue ops included) with no graph break, else the whole block would run eager.
+    import torch._dynamo as dynamo
+
+    from flame.parallel import compile_blocks
+
+    loss, grads, _ = forward_backward("rwkv7_tiny", "selective")
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compile_(self, backend="eager"))
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    compiled_loss, compiled_grads, _ = forward_backward("rwkv7_tiny", "selective", compile_blocks)
+    assert not dynamo.utils.counters["graph_break"], dict(dynamo.utils.counters["graph_break"])
+    assert 1 <= dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # RWKV-7's first block differs (v_first)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-6, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(compiled_grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_selective_training_run_logs_the_losses_of_a_plain_run(tmp_path):
