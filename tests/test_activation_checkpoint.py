@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flame.activation_checkpoint import wrap_blocks
+from flame.activation_checkpoint import saves_output, wrap_blocks
 from flame.config import ConfigError, load_config
 from flame.models import build_model
 from tests.helpers import read_metrics, run_train, write_config
@@ -68,6 +68,19 @@ def test_checkpointing_changes_what_backward_runs_not_its_results(config):
         f"{config}: selective backward ran {selective.matmuls - plain.matmuls} matmuls of the forward again"
     assert selective.ops > plain.ops, f"{config}: selective checkpointing recomputed nothing"
     assert selective.ops < full.ops
+
+
+def test_selective_keeps_the_registered_chunk_kernels():
+    # On the GPU the kernels run as custom ops (on the CPU their PyTorch path runs outside the op): the policy must
+    # know them by their registered names (and still recompute elementwise ops).
+    import kernels.gsa  # noqa: F401  (each registers its flame:: ops)
+    import kernels.rwkv6  # noqa: F401
+    import kernels.rwkv7  # noqa: F401
+
+    for name in ("chunk_rwkv7", "chunk_gsa", "chunk_rwkv6"):
+        assert saves_output(getattr(torch.ops.flame, name).default), name
+        assert not saves_output(getattr(torch.ops.flame, f"{name}_bwd").default), name
+    assert saves_output(torch.ops.aten.mm.default) and not saves_output(torch.ops.aten.mul.Tensor)
 
 
 def test_selective_blocks_compile_whole(monkeypatch):
