@@ -4,9 +4,9 @@ before it, compiled by torch.compile (Inductor) and eager, on one GPU.
     python scripts/bench_token_shift.py                          # the table in kernels/token_shift/README.md
     python scripts/bench_token_shift.py --set bwd_tiles=8        # a Settings field other than its default
 
-Per row: forward ms and forward+backward ms (triton.testing.do_bench, median; the backward from a given contiguous
-[n, B, T, C] grad), and the GB/s those times give for the bytes the op must move at least: forward x once and the n
-outputs, backward the n grads and x once and dx (bf16).
+Per row: forward ms and forward+backward ms (triton.testing.do_bench, median; the backward from n given grads, one
+per output, as the models' n consumers give them), and the GB/s those times give for the bytes the op must move at
+least: forward x once and the n outputs, backward the n grads and x once and dx (bf16).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ TABLE_HEAD = ("| B T C n | kernel | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/
 
 
 def pytorch_shift_mix(x, mix, keep):
-    """The models' formula before shift_mix (bf16 arithmetic, as they ran it)."""
+    """The models' formula before shift_mix (bf16 arithmetic, as they ran it), unpacked into n outputs as they did."""
     shifted = F.pad(x, (0, 0, 1, -1))
     if keep is not None:
         shifted = shifted * keep
-    return x[None] + (shifted - x)[None] * mix[:, None, None, :].to(x.dtype)
+    return (x[None] + (shifted - x)[None] * mix[:, None, None, :].to(x.dtype)).unbind(0)
 
 
 def inputs(B, T, C, n, packed):
@@ -46,18 +46,18 @@ def inputs(B, T, C, n, packed):
     if packed:   # documents of 300 tokens
         keep = torch.ones(T, 1, device="cuda", dtype=torch.bfloat16)
         keep[::300] = 0
-    g = torch.randn(n, B, T, C, device="cuda", dtype=torch.bfloat16)
-    return x, mix, keep, g
+    grads = [torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    return x, mix, keep, grads
 
 
-def bench(fn, x, mix, keep, g, backward):
+def bench(fn, x, mix, keep, grads, backward):
     from triton.testing import do_bench
     x, mix = x.detach().clone().requires_grad_(backward), mix.detach().clone().requires_grad_(backward)
 
     def step():
-        out = fn(x, mix, keep)
+        outs = fn(x, mix, keep)
         if backward:
-            out.backward(g)
+            torch.autograd.backward(list(outs), grads)
             x.grad = mix.grad = None
 
     step()

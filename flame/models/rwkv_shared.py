@@ -36,8 +36,9 @@ def cached_token_shift(x: torch.Tensor, prev: torch.Tensor, keep: torch.Tensor |
 
 
 def token_shift_mix(x: torch.Tensor, mix: torch.Tensor, keep: torch.Tensor | None,
-                    cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None) -> torch.Tensor:
-    """x + (x_{t-1} - x) * mix[i] for each row of mix [n, C]: [n, B, T, C], in one pass over x (kernels.token_shift).
+                    cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """x + (x_{t-1} - x) * mix[i] for each row of mix [n, C]: n tensors [B, T, C], in one pass over x
+    (kernels.token_shift).
     With a cache's `prev` [B, C] (a cached pass) rows of x continue their sequences from prev, packed documents (a
     prefill) start from zero as in training; prev then holds each sequence's last x (updated in place)."""
     out = shift_mix(x, mix, keep, prev if prev is not None and cu_seqlens is None else None)

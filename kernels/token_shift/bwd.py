@@ -6,17 +6,16 @@ fp32 registers: one partial dmix [n, BC] per program, summed over programs after
 import triton
 import triton.language as tl
 
-from kernels.token_shift.fwd import tile_and_previous
+from kernels.token_shift.fwd import pick, tile_and_previous
 
 
 @triton.jit
-def _shift_mix_bwd(x, mix, keep, first, g, dx, dmix_part, T, C, N: tl.constexpr, NP: tl.constexpr,
+def _shift_mix_bwd(x, mix, keep, first, g0, g1, g2, g3, g4, g5, dx, dmix_part, T, C, N: tl.constexpr, NP: tl.constexpr,
                    BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, HAS_KEEP: tl.constexpr,
                    HAS_FIRST: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = i_c * BC + tl.arange(0, BC)
     m_c = c < C
-    plane = tl.num_programs(2).to(tl.int64) * T * C
     rows = tl.arange(0, NP)
     b_dmix = tl.zeros([NP, BC], dtype=tl.float32)
     for j in range(TILES):
@@ -32,8 +31,9 @@ def _shift_mix_bwd(x, mix, keep, first, g, dx, dmix_part, T, C, N: tl.constexpr,
         b_dx = tl.zeros([BT, BC], dtype=tl.float32)
         for i in tl.static_range(N):
             b_m = tl.load(mix + i * C + c, mask=m_c, other=0.).to(tl.float32)[None, :]
-            b_g = tl.load(g + i * plane + offs, mask=m, other=0.).to(tl.float32)
-            b_gn = tl.load(g + i * plane + offs + C, mask=m_n, other=0.).to(tl.float32)
+            g = pick(i, g0, g1, g2, g3, g4, g5)
+            b_g = tl.load(g + offs, mask=m, other=0.).to(tl.float32)
+            b_gn = tl.load(g + offs + C, mask=m_n, other=0.).to(tl.float32)
             b_dx += b_g * (1. - b_m) + b_gn * b_m
             b_dmix += tl.where(rows[:, None] == i, tl.sum(b_g * d, axis=0)[None, :], 0.)
         tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)

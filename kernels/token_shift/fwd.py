@@ -1,9 +1,27 @@
 """Triton forward of shift_mix (README.md): one program per [BT tokens, BC channels] tile of one row reads the tile
 of x and the token before it (a second load of the tile shifted by one token, served from L1/L2) and writes the n
-lerped tiles."""
+lerped tiles, one to each of the n outputs (separate tensors: the models' n consumers give n separate grads)."""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def pick(i: tl.constexpr, p0, p1, p2, p3, p4, p5):
+    """The i-th of six pointers (i known at compile time; the unused ones may be None)."""
+    if i == 0:
+        p = p0
+    elif i == 1:
+        p = p1
+    elif i == 2:
+        p = p2
+    elif i == 3:
+        p = p3
+    elif i == 4:
+        p = p4
+    else:
+        p = p5
+    return p
 
 
 @triton.jit
@@ -23,15 +41,14 @@ def tile_and_previous(x, keep, first, i_b, t, c, m, T, C, HAS_KEEP: tl.constexpr
 
 
 @triton.jit
-def _shift_mix_fwd(x, mix, keep, first, out, T, C, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
+def _shift_mix_fwd(x, mix, keep, first, o0, o1, o2, o3, o4, o5, T, C, N: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t * BT + tl.arange(0, BT)
     c = i_c * BC + tl.arange(0, BC)
     m = (t < T)[:, None] & (c < C)[None, :]
     b_x, b_p, offs = tile_and_previous(x, keep, first, i_b, t, c, m, T, C, HAS_KEEP, HAS_FIRST)
     d = b_p - b_x
-    plane = tl.num_programs(2).to(tl.int64) * T * C     # B * T * C: one output of the n
     for i in tl.static_range(N):
         b_m = tl.load(mix + i * C + c, mask=c < C, other=0.).to(tl.float32)
-        tl.store(out + i * plane + offs, (b_x + d * b_m[None, :]).to(out.dtype.element_ty), mask=m)
+        tl.store(pick(i, o0, o1, o2, o3, o4, o5) + offs, (b_x + d * b_m[None, :]).to(o0.dtype.element_ty), mask=m)

@@ -23,16 +23,17 @@ def previous_tokens(x: torch.Tensor, keep: torch.Tensor | None, first: torch.Ten
     return prev
 
 
-def naive_shift_mix(x, mix, keep=None, first=None) -> torch.Tensor:
-    """out [n, B, T, C] in x's dtype from x [B, T, C], mix [n, C], keep [T] / [T, 1] or None, first [B, C] or
+def naive_shift_mix(x, mix, keep=None, first=None) -> list[torch.Tensor]:
+    """The n outputs [B, T, C] in x's dtype from x [B, T, C], mix [n, C], keep [T] / [T, 1] or None, first [B, C] or
     None."""
     xf = wide(x)
-    return (xf[None] + (previous_tokens(x, keep, first) - xf)[None] * wide(mix)[:, None, None]).to(x.dtype)
+    d = previous_tokens(x, keep, first) - xf
+    return [(xf + d * m).to(x.dtype) for m in wide(mix)]
 
 
-def naive_shift_mix_bwd(g, x, mix, keep=None, first=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in x's dtype, dmix in mix's dtype) from the grads g [n, B, T, C] of out."""
-    gf, xf, m = wide(g), wide(x), wide(mix)[:, None, None]
+def naive_shift_mix_bwd(grads, x, mix, keep=None, first=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dmix in mix's dtype) from the grads [B, T, C] of the n outputs."""
+    gf, xf, m = torch.stack([wide(g) for g in grads]), wide(x), wide(mix)[:, None, None]
     dmix = (gf * (previous_tokens(x, keep, first) - xf)[None]).sum((1, 2))
     through_prev = (gf * m).sum(0)                      # what x_prev[t] passes on to x[t - 1]
     dx = gf.sum(0) - through_prev

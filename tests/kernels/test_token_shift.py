@@ -49,11 +49,13 @@ def reference(x, mix, keep, first, g):
 
 
 def ours(x, mix, keep, first, g, **kw):
+    """(the n outputs stacked, dx, dmix)."""
     x = x.detach().clone().requires_grad_(True)
     mix = mix.detach().clone().requires_grad_(True)
-    out = shift_mix(x, mix, keep, first, **kw)
-    out.backward(g)
-    return out.detach(), x.grad, mix.grad
+    outs = shift_mix(x, mix, keep, first, **kw)
+    assert len(outs) == mix.shape[0] and all(o.shape == x.shape for o in outs)
+    torch.autograd.backward(outs, list(g.unbind(0)))
+    return torch.stack(outs).detach(), x.grad, mix.grad
 
 
 # bf16: out and dx are rounded once to bf16 (relative 2^-9); dmix sums exact bf16 products in fp32
@@ -95,7 +97,7 @@ def test_dmix_and_dx_are_the_directional_derivatives_of_the_kernel_output():
     x, mix, keep, first, g = make_inputs(1, 37, 80, 6, torch.float32, keep_starts=STARTS[1:], with_first=True)
     gen = torch.Generator().manual_seed(3)
     u, v = torch.randn(x.shape, generator=gen), torch.randn(mix.shape, generator=gen)
-    run = lambda a, m, f: shift_mix(a, m, keep, f, backend="triton", settings=SMALL).double()  # noqa: E731
+    run = lambda a, m, f: torch.stack(shift_mix(a, m, keep, f, backend="triton", settings=SMALL)).double()  # noqa: E731
     inner = lambda o: (o * g.double()).sum().item()  # noqa: E731
     _, dx, dmix = ours(x, mix, keep, first, g, backend="triton", settings=SMALL)
     # mix alone, then x alone (first held at zero change: it is not differentiated)
@@ -108,8 +110,18 @@ def test_dmix_and_dx_are_the_directional_derivatives_of_the_kernel_output():
 def test_torch_path_passes_gradcheck():
     x, mix, keep, first, _ = make_inputs(1, 9, 5, 3, torch.float64, keep_starts=(0, 4), with_first=False)
     first = torch.randn(1, 5, dtype=torch.float64)
-    fn = lambda a, m: shift_mix(a, m, keep, first, backend="torch")  # noqa: E731
+    fn = lambda a, m: tuple(shift_mix(a, m, keep, first, backend="torch"))  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x.requires_grad_(True), mix.double().requires_grad_(True)))
+
+
+def test_outputs_without_grads():
+    # only the second of three outputs reaches the loss: the others' grads are None in the backward, i.e. zero
+    x, mix, keep, first, g = make_inputs(1, 12, 16, 3, torch.float32, keep_starts=(0, 6))
+    g[0], g[2] = 0, 0
+    x_, mix_ = x.clone().requires_grad_(True), mix.clone().requires_grad_(True)
+    (shift_mix(x_, mix_, keep)[1] * g[1]).sum().backward()
+    ref = reference(x, mix, keep, first, g)
+    common.assert_close([x_.grad, mix_.grad], ref[1:], 1e-6, "one output used", NAMES[1:])
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -120,13 +132,13 @@ def test_opcheck(backend):
     s = SMALL.encode()
     torch.library.opcheck(torch.ops.flame.shift_mix.default,
                           (x.requires_grad_(True), mix.requires_grad_(True), keep.reshape(-1), first, backend, s))
-    torch.library.opcheck(torch.ops.flame.shift_mix_bwd.default, (g, x.detach(), mix.detach(), keep.reshape(-1),
-                                                                   first, backend, s))
+    torch.library.opcheck(torch.ops.flame.shift_mix_bwd.default, (list(g.unbind(0)), x.detach(), mix.detach(),
+                                                                   keep.reshape(-1), first, backend, s))
 
 
 def test_compiles_without_graph_break():
     x, mix, keep, _, g = make_inputs(1, 16, 32, 6, torch.float32, keep_starts=(0, 7))
-    fn = lambda a, m: shift_mix(a, m, keep).sum(0)  # noqa: E731
+    fn = lambda a, m: sum(o * (i + 1) for i, o in enumerate(shift_mix(a, m, keep)))  # noqa: E731
     # aot_eager traces the op through Dynamo and AOTAutograd (fake and backward registration) without Inductor's
     # code generation: fullgraph fails on any graph break
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -144,6 +156,8 @@ def test_bad_inputs_are_named():
         shift_mix(x, torch.rand(6, 8), first=torch.zeros(2, 8, requires_grad=True))
     with pytest.raises(ValueError, match="mix must be"):
         shift_mix(x, torch.rand(6, 7))
+    with pytest.raises(ValueError, match="mix must be"):
+        shift_mix(x, torch.rand(7, 8))
     with pytest.raises(ValueError, match="keep must be"):
         shift_mix(x, torch.rand(1, 8), keep=torch.ones(4))
     with pytest.raises(ValueError, match="first must be"):
