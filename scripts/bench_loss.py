@@ -187,8 +187,9 @@ def main(argv=None):
                 continue
             ref_loss, ref_dh, ref_dw = refs[wrap]
             err = lambda x, y: (x.double() - y.double()).abs().max().item()  # noqa: E731
-            print(f"| {D} | {impl} | {note} | {ms:.2f} | {peak:.0f} | {abs(loss.double().item() - ref_loss.item()):.3g} "
-                  f"| {err(dh, ref_dh):.3g} | {err(dw, ref_dw):.3g} |")
+            loss_err = abs(loss.double().item() - ref_loss.item())
+            print(f"| {D} | {impl} | {note} | {ms:.2f} | {peak:.0f} | {loss_err:.3g} | {err(dh, ref_dh):.3g} "
+                  f"| {err(dw, ref_dw):.3g} |")
             del dh, dw
         print(f"| {D} | (fp32 reference) | scale | | | loss {refs[False][0].item():.6g} "
               f"| max abs {refs[False][1].abs().max().item():.3g} | max abs {refs[False][2].abs().max().item():.3g} |")

@@ -72,7 +72,7 @@ def cross_entropy_rows_triton(logits, labels, losses, l2wrap_factor: float, igno
     if n == 0:
         return
     assert logits.is_contiguous() and logits.dtype in TRITON_DTYPES, (logits.dtype, logits.stride())
-    launch(_cross_entropy_rows, (n,), logits, labels, losses, V, float(l2wrap_factor), int(ignore_index),
+    launch(_cross_entropy_rows, (n,), logits, labels.contiguous(), losses, V, float(l2wrap_factor), int(ignore_index),
            BV=min(block_v, next_pow2(V)), L2WRAP=bool(l2wrap_factor), WRITE_GRAD=write_grad, num_warps=ROW_WARPS)
 
 
