@@ -50,5 +50,7 @@ def _shift_mix_fwd(x, mix, keep, first, o0, o1, o2, o3, o4, o5, T, C, N: tl.cons
     b_x, b_p, offs = tile_and_previous(x, keep, first, i_b, t, c, m, T, C, HAS_KEEP, HAS_FIRST)
     d = b_p - b_x
     for i in tl.static_range(N):
-        b_m = tl.load(mix + i * C + c, mask=c < C, other=0.).to(tl.float32)
-        tl.store(pick(i, o0, o1, o2, o3, o4, o5) + offs, (b_x + d * b_m[None, :]).to(o0.dtype.element_ty), mask=m)
+        # loaded for every row of the tile (from L1 after the first), in the tile's own layout: a [BC] vector would
+        # change layout through shared memory, with barriers
+        b_m = tl.load(mix + i * C + (c[None, :] + 0 * t[:, None]), mask=m, other=0.).to(tl.float32)
+        tl.store(pick(i, o0, o1, o2, o3, o4, o5) + offs, (b_x + d * b_m).to(o0.dtype.element_ty), mask=m)
