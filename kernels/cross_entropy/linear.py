@@ -25,7 +25,9 @@ from kernels.utils import next_pow2
 BLOCK_V = 4096
 """Columns per tile of the row kernel: 16 fp32 values per thread at 8 warps."""
 ROW_WARPS = 8
+"""Warps per row program (256 threads share a 4096-column tile); not yet tuned on a GPU."""
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Logit dtypes the Triton rows take; others (fp64) run the PyTorch rows."""
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
