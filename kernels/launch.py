@@ -43,6 +43,12 @@ def launch(kernel, grid, *args, num_warps: int = 4, maxnreg: int | None = None, 
     kernel[grid](*args, num_warps=num_warps, **options, **kwargs)
 
 
+def register_fake(op, fake, real) -> None:
+    """Give a custom op its fake (shapes only, for tracing); under record() the meta call runs `real`, the launch
+    code, instead, so that its launches are recorded (torch allows one meta implementation per op: the fake)."""
+    op.register_fake(lambda *args, **kwargs: (real if _recorded is not None else fake)(*args, **kwargs))
+
+
 @contextlib.contextmanager
 def record():
     """Collect the launches made inside (a list of Launch, duplicates kept in launch order) instead of running."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.gsa.torch_chunk import chunk_gsa_torch
-from kernels.launch import launch
+from kernels.launch import launch, register_fake
 from kernels.settings import from_text, to_text
 from kernels.utils import as_varlen, chunk_count, chunk_tables, is_interpreting, next_pow2, scan_tile
 
@@ -285,8 +285,7 @@ chunk_gsa_op = torch.library.custom_op(
            "Tensor p, Tensor z, Tensor gf, Tensor a1, Tensor a2)")
 
 
-@chunk_gsa_op.register_fake
-def _(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
+def _fake_forward(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
     st = from_text("gsa", settings)
     _, T, H, K = q.shape
     V, M, N = v.shape[3], s.shape[3], cu.shape[0] - 1
@@ -312,8 +311,7 @@ chunk_gsa_bwd_op = torch.library.custom_op(
            "Tensor dg, Tensor? dhk0, Tensor? dhv0)")
 
 
-@chunk_gsa_bwd_op.register_fake
-def _(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt):
+def _fake_backward(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt):
     return (*(torch.empty_like(x) for x in (q, k, v, s, g)),
             *(None if h is None else torch.empty_like(h) for h in (hk0, hv0)))
 
@@ -338,10 +336,8 @@ def _autograd_backward(ctx, do, dhkt, dhvt, *_):
 
 
 chunk_gsa_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
-# Meta tensors run the launch code itself (kernels.launch.record lists the launches there); FakeTensorMode (tracing)
-# takes the fakes above.
-chunk_gsa_op.register_kernel("meta", _forward_op)
-chunk_gsa_bwd_op.register_kernel("meta", _backward_op)
+register_fake(chunk_gsa_op, _fake_forward, _forward_op)
+register_fake(chunk_gsa_bwd_op, _fake_backward, _backward_op)
 
 
 def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None):

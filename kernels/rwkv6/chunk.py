@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.launch import launch
+from kernels.launch import launch, register_fake
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
 from kernels.settings import from_text, to_text
 from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
@@ -181,8 +181,7 @@ chunk_rwkv6_op = torch.library.custom_op(
            "SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h)")
 
 
-@chunk_rwkv6_op.register_fake
-def _(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
+def _fake_forward(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv6", settings)
     _, T, H, K = r.shape
     V, N = v.shape[3], cu.shape[0] - 1
@@ -204,8 +203,7 @@ chunk_rwkv6_bwd_op = torch.library.custom_op(
            "Tensor du, Tensor? dh0)")
 
 
-@chunk_rwkv6_bwd_op.register_fake
-def _(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, do, dht):
+def _fake_backward(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, do, dht):
     return (*(torch.empty_like(x) for x in (r, k, v, w, u)), None if h0 is None else torch.empty_like(h0))
 
 
@@ -228,10 +226,8 @@ def _autograd_backward(ctx, do, dht, _):
 
 
 chunk_rwkv6_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
-# Meta tensors run the launch code itself (kernels.launch.record lists the launches there); FakeTensorMode (tracing)
-# takes the fakes above.
-chunk_rwkv6_op.register_kernel("meta", _forward_op)
-chunk_rwkv6_bwd_op.register_kernel("meta", _backward_op)
+register_fake(chunk_rwkv6_op, _fake_forward, _forward_op)
+register_fake(chunk_rwkv6_bwd_op, _fake_backward, _backward_op)
 
 
 def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, settings: str):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.launch import launch
+from kernels.launch import launch, register_fake
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import from_text, to_text
 from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
@@ -193,8 +193,7 @@ chunk_rwkv7_op = torch.library.custom_op(
            "Tensor Ark, Tensor Aak, Tensor Tinv, Tensor wf, Tensor? Mb)")
 
 
-@chunk_rwkv7_op.register_fake
-def _(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
+def _fake_forward(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv7", settings)
     _, T, H, K = r.shape
     V, N, BT = v.shape[3], cu.shape[0] - 1, s.chunk
@@ -221,8 +220,7 @@ chunk_rwkv7_bwd_op = torch.library.custom_op(
            "Tensor da, Tensor db, Tensor? dh0)")
 
 
-@chunk_rwkv7_bwd_op.register_fake
-def _(r, w, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do, dht):
+def _fake_backward(r, w, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do, dht):
     return (*(torch.empty_like(x) for x in (r, w, k, v, a, b)), None if h0 is None else torch.empty_like(h0))
 
 
@@ -245,10 +243,8 @@ def _autograd_backward(ctx, do, dht, *_):
 
 
 chunk_rwkv7_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
-# Meta tensors run the launch code itself (kernels.launch.record lists the launches there); FakeTensorMode (tracing)
-# takes the fakes above.
-chunk_rwkv7_op.register_kernel("meta", _forward_op)
-chunk_rwkv7_bwd_op.register_kernel("meta", _backward_op)
+register_fake(chunk_rwkv7_op, _fake_forward, _forward_op)
+register_fake(chunk_rwkv7_bwd_op, _fake_backward, _backward_op)
 
 
 def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, settings: str):
