@@ -74,40 +74,41 @@ def compile_blocks(model: nn.Module) -> None:
     """torch.compile each block of `model.layers` (in place), as training.compile does.
 
     AOTAutograd's on-disk cache is turned off first: once warm it replays the metadata of outputs that alias a
-    graph's intermediates (a linear's 3-D output beside a view of it, live across the kernel's graph break) with
+    graph's intermediates (a linear's 3-D output beside a view of it, live across a graph break) with
     garbage sizes, and the second run of a config failed ("shape '[94745291249156, 6174690382483291083, 128]' is
     invalid") or segfaulted, on torch 2.11 (H100) and 2.13 (CPU). PyTorch's fix (pytorch#185861, the _unsafe_view
     ViewMeta serialization) is not in them. Inductor's own FX graph cache stays on.
     """
+    import torch._functorch.config  # not imported by `import torch`
+
     torch._functorch.config.enable_autograd_cache = False
     for block in model.layers:
         block.compile()
 
 
+def prepare_blocks(model: nn.Module, activation_checkpoint: str, compile: bool) -> None:
+    """Checkpoint and compile each block of `model.layers` (in place), as training does.
+
+    Each block is wrapped first and the wrapper compiled (torchtitan's order): Dynamo traces the checkpoint with its
+    policy and Inductor's partitioner keeps what the policy saves (selective) or nothing (full). This needs blocks
+    without a graph break, which they are (our kernels are custom ops, flame::chunk_*): a break would run the whole
+    wrapped block eager.
+    """
+    from flame.activation_checkpoint import wrap_blocks  # (torchtitan's module: imported only when wrapping)
+
+    wrap_blocks(model, activation_checkpoint)
+    if compile:
+        compile_blocks(model)
+
+
 def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
                 compile: bool) -> nn.Module:
-    """Checkpoint, compile and shard each block of `model.layers`, then the root.
-
-    selective: each block is wrapped first and the wrapper compiled (torchtitan's order), so that Dynamo traces the
-    checkpoint with its policy and Inductor's partitioner keeps what the policy saves. This needs a block without a
-    graph break: our kernels are custom ops (flame::chunk_*); a break would run the whole wrapped block eager.
-    full: each block is compiled first and then wrapped, so that a block whose kernel still breaks the graph is
-    compiled around the break (Dynamo traces checkpoint() as one higher-order op that it cannot split: compiled
-    outside the wrapper, RWKV-7 and GSA ran entirely eager).
+    """Checkpoint and compile (prepare_blocks), then shard each block of `model.layers`, then the root.
 
     Gradients are reduced as a SUM: the loss is already divided by the global token count, so FSDP's own
     averaging over ranks would divide a second time.
     """
-    from flame.activation_checkpoint import wrap_blocks  # (torchtitan's module: imported only when wrapping)
-
-    if activation_checkpoint == "selective":
-        wrap_blocks(model, activation_checkpoint)
-        if compile:
-            compile_blocks(model)
-    else:
-        if compile:
-            compile_blocks(model)
-        wrap_blocks(model, activation_checkpoint)
+    prepare_blocks(model, activation_checkpoint, compile)
     if d.on_gpu:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     else:  # CPU: fp32 throughout (bf16 matmuls on CPU are slow and not what tests compare against)

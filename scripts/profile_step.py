@@ -3,6 +3,7 @@ parameters, under the PyTorch profiler; prints the kernels taking the most time 
 optimizer, no FSDP: the model's own compute only (the micro-batch may be smaller than the config's, to fit).
 
     python scripts/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
+        [--activation-checkpoint none|selective|full]
 """
 
 from __future__ import annotations
@@ -23,20 +24,20 @@ def main():
     p.add_argument("--seq-len", type=int, default=None, help="default: the config's training.seq_len")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="torch.compile each block, as training.compile does")
+    p.add_argument("--activation-checkpoint", default="none", choices=["none", "selective", "full"])
     a = p.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from flame.config import load_config
     from flame.models import build_model
-    from flame.parallel import compile_blocks
+    from flame.parallel import prepare_blocks
 
     cfg = load_config(a.config)
     T = a.seq_len or cfg.training.seq_len
     model = build_model(cfg.model).cuda()
     model.init_weights()
     model.to(torch.bfloat16)
-    if a.compile:
-        compile_blocks(model)
+    prepare_blocks(model, a.activation_checkpoint, a.compile)
     ids = torch.randint(0, cfg.model.vocab_size, (a.batch, T), device="cuda")
 
     def step():
@@ -52,7 +53,7 @@ def main():
     rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
                    if e.device_time_total > 0), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
-    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens on {torch.cuda.get_device_name()}: "
+    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({a.activation_checkpoint} checkpointing) on {torch.cuda.get_device_name()}: "
           f"{total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches")
     for name, ms, count in rows[:a.top]:
         print(f"  {ms:8.2f} ms {100 * ms / total:5.1f} % {count:5d}x  {name[:100]}")
