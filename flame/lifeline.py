@@ -53,6 +53,9 @@ def main() -> None:
         sys.exit(2)
     die_with_launcher()
     os.environ[PARENT_ENV] = str(os.getpid())  # the module's children (the ranks) bind to this process
+    # A preemption notice is for the ranks (they save, flame.stop_signals); srun delivers a job step's signal to every
+    # process of the step, and USR1's default action would end torchrun and with it the ranks, unsaved.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
