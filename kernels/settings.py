@@ -53,3 +53,15 @@ def from_text(op: str, text: str):
 
     items = [f"{op}.{item}" for item in (text or "").split(",") if item]
     return parse(items).get(op) or OPS[op].settings_type()()
+
+
+class TextSettings:
+    """Base of a frozen Settings dataclass that travels to its custom op as text (custom ops take no dataclasses):
+    encode() gives every field as "field=value,...", decode() reads it back."""
+
+    def encode(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def decode(cls, text: str):
+        return cls(**{k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)})

@@ -140,3 +140,15 @@ def decay_on(mask, diff):
     the mask holds; the clamp makes it so in floating point too), and masked entries never reach the exp: a decay
     factor can never overflow, so no inf is ever multiplied by 0."""
     return tl.where(mask, tl.exp(tl.minimum(tl.where(mask, diff, 0.), 0.)), 0.)
+
+
+@triton.jit
+def head_tile(i_t, i_h, M, C: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+    """Offsets [BT, BN] of tokens i_t BT.. and head i_h's channels in a [M, C] tensor ([M, H, N] alike), their mask,
+    the channels and the channel mask."""
+    rows = i_t * BT + tl.arange(0, BT)
+    feats = tl.arange(0, BN)
+    m_c = feats < N
+    ch = i_h * N + feats
+    offs = rows[:, None].to(tl.int64) * C + ch[None, :]
+    return offs, (rows < M)[:, None] & m_c[None, :], ch, m_c

@@ -6,7 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7_key.fwd import EPS, head_tile, key_terms
+from kernels.rwkv7_key.fwd import EPS, key_terms
+from kernels.tl_utils import head_tile
 
 
 @triton.jit

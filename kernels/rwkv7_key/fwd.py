@@ -5,19 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.tl_utils import head_tile
+
 EPS = tl.constexpr(1e-12)   # F.normalize's: a head whose k * k_k is below it is divided by it instead of its norm
-
-
-@triton.jit
-def head_tile(i_t, i_h, M, C: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
-    """Offsets [BT, BN] of tokens i_t BT.. and head i_h's channels in a [M, C] tensor, their mask, the channels and
-    the channel mask."""
-    rows = i_t * BT + tl.arange(0, BT)
-    feats = tl.arange(0, BN)
-    m_c = feats < N
-    ch = i_h * N + feats
-    offs = rows[:, None].to(tl.int64) * C + ch[None, :]
-    return offs, (rows < M)[:, None] & m_c[None, :], ch, m_c
 
 
 @triton.jit

@@ -10,19 +10,19 @@ backend='triton' | 'torch' forces one (tests run Triton on CPU under TRITON_INTE
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kernels.launch import launch
+from kernels.settings import TextSettings
 from kernels.rwkv7_key.naive import naive_rwkv7_key, naive_rwkv7_key_bwd
 from kernels.utils import next_pow2
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(TextSettings):
     """Token tiles and warps of the two kernels (each program holds a [tokens, head_dim] tile of every tensor it
     reads); not autotuned."""
 
@@ -34,13 +34,6 @@ class Settings:
     warps: int = 4
     """Warps of both kernels."""
 
-    def encode(self) -> str:
-        """As the custom op takes it (a string: ops take no dataclasses)."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-
-    @classmethod
-    def decode(cls, text: str) -> "Settings":
-        return cls(**{name: int(value) for name, value in (item.split("=") for item in text.split(","))})
 
 
 def _rows(x: Tensor) -> Tensor:

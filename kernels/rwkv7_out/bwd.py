@@ -7,7 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7_out.fwd import head_tile, out_terms
+from kernels.rwkv7_out.fwd import out_terms
+from kernels.tl_utils import head_tile
 
 
 @triton.jit

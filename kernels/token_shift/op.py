@@ -12,7 +12,6 @@ flame::shift_mix_bwd): CUDA tensors take the Triton kernels, CPU tensors the PyT
 kernels (tests run them on CPU under TRITON_INTERPRET=1), "torch" the PyTorch path.
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +19,7 @@ import torch
 import triton
 
 from kernels.launch import launch
+from kernels.settings import TextSettings
 from kernels.token_shift.naive import naive_shift_mix, naive_shift_mix_bwd
 from kernels.utils import next_pow2
 
@@ -27,7 +27,7 @@ MAX_MIXES = 6   # the kernels take one pointer per output and per grad
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(TextSettings):
     """Tiles and warps of the two kernels (memory-bound elementwise passes: tiles wide along C for whole 128-byte
     lines, enough tokens per program to amortize the one extra token each tile reads)."""
 
@@ -51,13 +51,6 @@ class Settings:
     bwd_warps: int = 1
     """Warps of the backward."""
 
-    def encode(self) -> str:
-        """As a custom op's string argument (custom ops take no dataclasses)."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-
-    @classmethod
-    def decode(cls, text: str) -> "Settings":
-        return cls(**{k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)})
 
 
 def _fwd(x, mix, keep, first, s: Settings):
