@@ -3,7 +3,6 @@ ranks with gloo, the bundled sample text): the job trains step for step like a p
 not requeued when it ends; USR1 to its batch script (Slurm's preemption notice) stops every rank after its step with
 a checkpoint, the job requeues itself, and the requeued start resumes to the uninterrupted job's losses exactly."""
 
-import os
 import socket
 import subprocess
 import time
@@ -39,7 +38,7 @@ def submit(slurm: SlurmCluster, dump: Path, out: Path) -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     job_env = dict(cpu_env(), SLURM_CONF=slurm.env["SLURM_CONF"], MASTER_PORT=str(port))
-    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}",
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={slurm.cpus}",
            f"--output={out}", "scripts/slurm.sbatch", CONFIG, f"--job.dump_folder={dump}", *ARGS]
     proc = subprocess.run(cmd, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
@@ -72,7 +71,7 @@ def last_step(dump: Path) -> int:
 
 
 def test_sbatch_trains_like_launch_sh_and_a_preempted_job_requeues_and_resumes_exactly(slurm, tmp_path):
-    # the plain launcher on this machine, outside Slurm, at the same time as the batch job
+    # the plain launcher on this machine, outside Slurm, at the same time as the first batch job
     plain_dump = tmp_path / "plain"
     plain = subprocess.Popen(["bash", "scripts/launch.sh", CONFIG, f"--job.dump_folder={plain_dump}", *ARGS],
                              cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -83,6 +82,7 @@ def test_sbatch_trains_like_launch_sh_and_a_preempted_job_requeues_and_resumes_e
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), \
         log[-3000:] + slurm.logs_tail()
     assert "requeue" not in log  # a run that reached training.steps ends the job
+    assert "2 ranks on cpu (replicate x shard = (1, 2))" in log  # one node of the job, NPROC ranks on it
     output, _ = plain.communicate(timeout=JOB_TIMEOUT_S)
     assert plain.returncode == 0, output[-3000:]
     expected = losses(plain_dump)
