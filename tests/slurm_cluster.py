@@ -64,6 +64,8 @@ class SlurmCluster:
     """The temporary folder with slurm.conf, the munge key and socket, state, spool and logs."""
     node: str
     """The one node's name: this machine's short host name."""
+    cpus: int
+    """The node's CPUs: those this process may run on (slurmd drains a node configured with more than it has)."""
 
     @property
     def env(self) -> dict:
@@ -128,7 +130,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _config(root: Path, node: str) -> str:
+def _config(root: Path, node: str, cpus: int) -> str:
     return f"""\
 ClusterName=flametest
 SlurmctldHost={node}(127.0.0.1)
@@ -159,7 +161,7 @@ ReturnToService=2
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
-NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN
+NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -177,8 +179,9 @@ def start_cluster() -> SlurmCluster | str:
     key.chmod(0o600)
     node = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
-    conf.write_text(_config(root, node))
-    cluster = SlurmCluster(root, node)
+    cpus = len(os.sched_getaffinity(0))
+    conf.write_text(_config(root, node, cpus))
+    cluster = SlurmCluster(root, node, cpus)
     sbin = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
     daemons = [
         ["munged", "--force", f"--socket={root}/munge.socket", f"--key-file={key}", f"--pid-file={root}/munged.pid",
