@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -50,6 +51,17 @@ def complete_steps(folder: Path) -> list[int]:
 def first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def root_cause(e: BaseException) -> str:
+    """The first line of the error under DCP's wrappers (a CheckpointException holds each rank's own failure)."""
+    for failure in getattr(e, "failures", {}).values():  # rank -> (exception, traceback)
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return root_cause(inner)
+    while e.__cause__ is not None and not str(e).strip():
+        e = e.__cause__
+    return first_line(e)
 
 
 def unreadable_file(path: Path) -> str | None:
@@ -88,6 +100,10 @@ class Checkpointer:
         self.cfg, self.rank, self.use_async = cfg, rank, use_async
         self.folder = run_dir / cfg.folder
         self.pending: Future | None = None
+        self.pending_step = 0
+        self.finalized = threading.Event()
+        """Rank 0: the save in flight is renamed complete (and older ones pruned), or failed; set when none is."""
+        self.finalized.set()
         self.unreadable: set[int] = set()
         """Steps whose checkpoint was found damaged at start-up: never pruned, kept aside when saved again."""
         self.written: tuple[int, float] | None = None
@@ -170,20 +186,41 @@ class Checkpointer:
             response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                       async_stager=self.stager)
             self.pending = getattr(response, "upload_completion", response)
+            self.pending_step = step
             if self.rank == 0:  # rank 0's save returns after DCP wrote the metadata, i.e. after every rank
-                self.pending.add_done_callback(lambda f: f.exception() is None and self._finalize(step, start))
+                self.finalized.clear()
+                self.pending.add_done_callback(lambda f: self._finalize_written(f, step, start))
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            try:
+                dcp.save(state, checkpoint_id=str(tmp))
+            except (Exception, dcp.CheckpointException) as e:  # a full disk: every rank gets it (DCP gathers them)
+                raise self.write_error(step, e) from e
             dist.barrier()
             if self.rank == 0:
                 self._finalize(step, start)
         return time.perf_counter() - start
 
+    def write_error(self, step: int, e: BaseException) -> RunError:
+        """A save that failed (a full disk, a lost file system): one line naming the cause; its step-N.tmp is removed
+        (to free the space) and the complete checkpoints before it stay as they are."""
+        free = shutil.disk_usage(self.folder).free / 2**20  # a full disk shows here; torch's message may not say
+        if self.rank == 0:
+            shutil.rmtree(self.folder / f"step-{step}.tmp", ignore_errors=True)
+        kept = complete_steps(self.folder)
+        return RunError(f"checkpoint step-{step} could not be written to {self.folder} ({free:.1f} MiB free on its "
+                        f"file system): {root_cause(e)}; complete checkpoints kept: "
+                        f"{', '.join(f'step-{s}' for s in kept) or 'none'}")
+
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete and visible on every rank."""
         if self.pending is None:
             return
-        self.pending.result()  # re-raises a failed save
+        try:
+            self.pending.result()  # re-raises a failed save
+        except (Exception, dcp.CheckpointException) as e:
+            self.finalized.wait()
+            raise self.write_error(self.pending_step, e) from e
+        self.finalized.wait()  # the future is done before its callback has renamed the folder
         self.pending = None
         dist.barrier()
 
@@ -204,6 +241,22 @@ class Checkpointer:
         meta = dcp.FileSystemReader(str(self.path(step))).read_metadata()
         return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
 
+    def _finalize_written(self, written: Future, step: int, start: float) -> None:
+        try:
+            if written.exception() is None:
+                self._finalize(step, start)
+        finally:
+            self.finalized.set()
+
+    def _discard(self, path: Path) -> None:
+        """Delete a checkpoint folder; renamed to a .tmp name first, so that a deletion cut short (a kill, a full
+        disk) never leaves a part of it under a complete name."""
+        if path.exists():
+            doomed = path.with_name(f"{path.name}.deleting.tmp")
+            shutil.rmtree(doomed, ignore_errors=True)
+            path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
     def _finalize(self, step: int, start: float) -> None:
         self.written = (step, time.perf_counter() - start)
         final = self.path(step)
@@ -214,11 +267,11 @@ class Checkpointer:
             final.rename(aside)
             self.unreadable.discard(step)
             print(f"checkpoint step-{step}: the damaged one found at start-up is kept as {aside.name}", flush=True)
-        shutil.rmtree(final, ignore_errors=True)
+        self._discard(final)
         (self.folder / f"step-{step}.tmp").rename(final)
         if self.cfg.keep_latest_k > 0:
             for old in [s for s in complete_steps(self.folder) if s not in self.unreadable][: -self.cfg.keep_latest_k]:
-                shutil.rmtree(self.path(old), ignore_errors=True)
+                self._discard(self.path(old))
 
 
 def rng_state() -> dict:

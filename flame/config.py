@@ -136,11 +136,16 @@ class ParallelismConfig:
     """FSDP shard group size; -1 takes every rank not used by dp_replicate."""
     dp_replicate: int = 1
     """Replica groups (HSDP across nodes when > 1)."""
+    collective_timeout_sec: float = 600.0
+    """Seconds every rank may take to reach a step or a collective; past it the job fails naming the ranks that did
+    not arrive (a hung or lost rank), instead of torch's 30 minutes of silence."""
 
     def validate(self) -> None:
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard", "-1 or an integer >= 1",
               self.dp_shard)
         check(self.dp_replicate >= 1, "parallelism.dp_replicate", "an integer >= 1", self.dp_replicate)
+        check(self.collective_timeout_sec > 0, "parallelism.collective_timeout_sec", "a number of seconds > 0",
+              self.collective_timeout_sec)
 
 
 @dataclass

@@ -52,6 +52,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """After torchrun restarted the ranks (--max-restarts), the store of torchrun's agent still holds the failed
+    attempt's keys, the addresses of ranks now dead among them: the new ranks would connect to those and fail. Each
+    attempt gets keys of its own; None (the usual env:// set-up) for a first attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"flame/attempt_{attempt}", client)
+
+
+def rank_and_world(store: dist.Store | None, world_size: int) -> dict:
+    return {} if store is None else {"rank": int(os.environ["RANK"]), "world_size": world_size}
+
+
 def init_distributed(cfg: ParallelismConfig) -> Dist:
     """Join the torchrun job (or become a job of one when started without torchrun)."""
     if "RANK" not in os.environ:
@@ -59,13 +75,16 @@ def init_distributed(cfg: ParallelismConfig) -> Dist:
                           MASTER_PORT=str(_free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     replicate, shard = resolve_dp_degrees(cfg, world_size)
+    timeout = timedelta(seconds=cfg.collective_timeout_sec)  # a lost or hung rank fails the job after this
+    store = attempt_store(world_size, timeout)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=30))
+        dist.init_process_group("nccl", device_id=device, timeout=timeout, store=store,
+                                **rank_and_world(store, world_size))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+        dist.init_process_group("gloo", timeout=timeout, store=store, **rank_and_world(store, world_size))
     mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return Dist(rank=dist.get_rank(), world_size=world_size, device=device, mesh=mesh)
 

@@ -36,6 +36,7 @@ from flame.config import Config, ConfigError, RunError, load_config, to_toml
 from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
 from flame.export import ConvertError
+from flame.heartbeat import Heartbeat, RankMissing, is_collective_failure
 from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
@@ -75,6 +76,7 @@ class Trainer:
         t = self.cfg.training
         self.d = init_distributed(self.cfg.parallelism)
         self.rank, self.device = self.d.rank, self.d.device
+        self.heartbeat = Heartbeat(self.cfg.parallelism.collective_timeout_sec)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         if t.deterministic:
@@ -212,6 +214,15 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
+        """The loop; a collective that failed because a rank went quiet becomes RankMissing, naming that rank."""
+        try:
+            self.train_loop()
+        except RuntimeError as e:
+            if is_collective_failure(e):
+                self.heartbeat.explain(self.step + 1, e)
+            raise
+
+    def train_loop(self) -> None:
         t = self.cfg.training
         if self.step >= t.steps:
             self.print(f"nothing to train: the run is at step {self.step} of training.steps = {t.steps}")
@@ -219,6 +230,7 @@ class Trainer:
         while self.step < t.steps:
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
             lr = self.optimizer.param_groups[0]["lr"]
+            self.heartbeat.arrive(self.step + 1)
             result = self.train_step(micro_batches)
             self.step += 1
             self.tokens_seen += self.global_batch * t.seq_len
@@ -416,7 +428,7 @@ def one_line(text: str) -> str:
 def exit_on_startup_error(e: Exception, config_path: str | None, in_run: bool = False) -> None:
     """Print the error's one line and exit 2. Every rank meets a config or resume problem alike: rank 0 says it,
     the others stay quiet (and wait a moment, so that torchrun does not stop rank 0 before it has said it). A data
-    reader's problem belongs to its own rank, which says it."""
+    reader's problem belongs to its own rank, which says it, and so does a rank that found another missing."""
     if isinstance(e, ConfigError):
         e.file = e.file or config_path
         line = e.line()
@@ -426,7 +438,7 @@ def exit_on_startup_error(e: Exception, config_path: str | None, in_run: bool = 
         line = f"error: {one_line(str(e))}"
     started = in_run or dist.is_initialized()  # (a closed trainer has left its process group already)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0 or isinstance(e, NoDocumentError):
+    if rank == 0 or isinstance(e, (NoDocumentError, RankMissing)):
         print(line, file=sys.stderr, flush=True)
     else:
         time.sleep(3)

@@ -20,6 +20,8 @@ Environment (all optional):
   MASTER_ADDR  rendezvous host (default: this machine; under Slurm the first node of the job)
   MASTER_PORT  rendezvous port (default 29500 on several nodes; a free port on one node)
   RDZV_ID      rendezvous id shared by all nodes (default: SLURM_JOB_ID, or "flame")
+  MAX_RESTARTS times torchrun starts every rank again after one fails (a rank killed, a node's process lost):
+               the run resumes from its last complete checkpoint unattended (default 0: a failed rank ends the job)
 Stopping: Ctrl-C (SIGINT), SIGTERM or SIGUSR1 sent to this script make every rank finish its step, save a
 checkpoint and exit 0; a second Ctrl-C stops at once without saving (exit 130). The ranks and their data workers
 never outlive this script, however it ends (SIGKILL included). One run per run folder: a second launch on a folder
@@ -127,7 +129,7 @@ trap '' PIPE  # `launch.sh ... | tee log` and Ctrl-C: tee is gone, the run must 
 # own, out of reach of a signal to this script's process group).
 set -m
 FLAME_PARENT_PID=$$ "${PYTHON:-python3}" -m flame.lifeline torch.distributed.run --nnodes "$NNODES" \
-  --nproc-per-node "$NPROC" "${rdzv[@]}" ${outputs[@]+"${outputs[@]}"} "${target[@]}" &
+  --nproc-per-node "$NPROC" --max-restarts "${MAX_RESTARTS:-0}" "${rdzv[@]}" ${outputs[@]+"${outputs[@]}"} "${target[@]}" &
 torchrun=$!
 set +m
 rc=0
