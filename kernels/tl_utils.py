@@ -4,6 +4,8 @@ formed (`decay_on`)."""
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -126,6 +128,38 @@ def half_cumsum(x, BT: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, REVER
 def half_cumsum_t(xT, BD: tl.constexpr, BT: tl.constexpr, HALF: tl.constexpr, REVERSE: tl.constexpr = False):
     """half_cumsum of a feature-major [BD, BT] tile, along its columns."""
     return tl.reshape(tl.cumsum(tl.reshape(xT, [BD, BT // HALF, HALF]), axis=2, reverse=REVERSE), [BD, BT])
+
+
+# Under Triton's interpreter bf16 casts truncate and bf16 products come out wrong; kernels take an fp32 path there.
+INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def mm(a, b, BF16: tl.constexpr, PREC: tl.constexpr):
+    """a @ b of fp32 tiles, fp32 result: with BF16 the operands rounded to bf16 (full-rate tensor cores, half the
+    registers and shared memory), else fp32 operands at PREC."""
+    if BF16 and not INTERPRETED:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def run_sums(x, rows, RUN: tl.constexpr, BEFORE: tl.constexpr):
+    """[BT, BD]: for each row t of a token-major fp32 tile, the sum of x over the other rows of t's own run of RUN
+    rows (runs start at multiples of RUN) that come before t (BEFORE) or after it. A product with a 0/1 matrix
+    instead of a scan: a scan along the rows of a tile spread over warps is shuffles and shared-memory round trips,
+    the product two tensor-core ops, x split into bf16 high and low parts (16 significant bits; every partial product
+    exact, fp32 accumulation); a sum of log decays (<= 0) stays a sum of non-positive terms."""
+    same = (rows[:, None] // RUN) == (rows[None, :] // RUN)
+    if BEFORE:
+        pick = tl.where(same & (rows[None, :] < rows[:, None]), 1., 0.)
+    else:
+        pick = tl.where(same & (rows[None, :] > rows[:, None]), 1., 0.)
+    if INTERPRETED:   # the exact fp32 sums (the split is checked on the GPU)
+        return tl.dot(pick, x, input_precision="ieee")
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(pick.to(tl.bfloat16), lo) + tl.dot(pick.to(tl.bfloat16), hi)
 
 
 @triton.jit

@@ -3,9 +3,9 @@
   _bwd_scan   (per sequence, head and V tile, chunks last to first): the state gradient dS (fp32), stored at each
               chunk's end as dh; dS at t = 0 is dh0. Blocked like the forward's scan for few long sequences
               (block maps, fwd._block_scan in reverse, block fills).
-  _bwd_chunk  (per chunk and head, all at once): A again (cheaper than storing it), dv, then dA pushed back through
-              the halving levels to r and k, the log-decay gradients summed in reverse to dw, and the chunk's share
-              of du (summed over chunks by the launch code).
+  _bwd_chunk  (per chunk and head, all at once): dA pushed back through the halving levels to r and k, the
+              log-decay gradients summed in reverse to dw, the chunk's share of du (summed over chunks by the launch
+              code), and dv from the forward's A.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv6.fwd import chunk_decays, level_sums, pairwise, scan_span
-from kernels.tl_utils import chunk_program, decay_on, diag_of, load_cols, load_rows, load_state, spare_chunk, store_rows
+from kernels.rwkv6.fwd import chunk_decays, level_factors, scan_span
+from kernels.tl_utils import (chunk_program, diag_of, load_cols, load_rows, load_state, mm, run_sums, spare_chunk,
+                               store_rows)
 
 
 @triton.jit
@@ -63,9 +64,9 @@ def _bwd_scan(r, w, do, cu, chunk_offsets, block_index, dht, dh, dh0, gb, scale,
 
 
 @triton.jit
-def _bwd_chunk(r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, scale,
+def _bwd_chunk(r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+               BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
     if spare_chunk(cu, chunk_index, BT):
         return
     i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
@@ -73,8 +74,7 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, sc
     b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
     b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
     b_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
-    A = pairwise(b_r, b_k, b_w, b_u, rows, BT, BK, LEVELS, PREC)
-    e_before, e_after = chunk_decays(b_w)
+    e_before, e_after = chunk_decays(b_w, rows, BT)
     k_end = b_k * e_after
 
     d_rS = tl.zeros([BT, BK], dtype=tl.float32)    # do h^T: the output's read of the entering state
@@ -89,29 +89,27 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, sc
         dSC = load_state(dh, h_base, ck, cv, V, m_k, m_v)
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v) * scale
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        d_rS += tl.dot(b_do, tl.trans(S0), input_precision=PREC)
-        d_kS += tl.dot(b_v, tl.trans(dSC), input_precision=PREC)
-        dA += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        d_rS += mm(b_do, tl.trans(S0), BF16, PREC)
+        d_kS += mm(b_v, tl.trans(dSC), BF16, PREC)
+        dA += mm(b_do, tl.trans(b_v), BF16, PREC)
         d_gC += tl.sum(S0 * dSC, axis=1)
-        b_dv = tl.dot(tl.trans(A), b_do, input_precision=PREC) + tl.dot(k_end, dSC, input_precision=PREC)
-        store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
 
     d_r = e_before * d_rS
     d_k = e_after * d_kS
     # the chunk-end decay: S_C = e^{g_C} S_0 + sum_s (k_s e^{g_C - g_s})^T v_s
     d_gC = d_gC * tl.exp(tl.sum(b_w, axis=0)) + tl.sum(b_k * d_k, axis=0)
-    # A back to its factors, level by level as in the forward: dr_t = e_row(t) sum_s dA[t, s] k^_s and
-    # dk_s = e_col(s) sum_t dA[t, s] r^_t
+    # dA back to the factors of A level by level, as the forward formed them: dr_t = e_row(t) sum_s dA[t, s] k^_s
+    # and dk_s = e_col(s) sum_t dA[t, s] r^_t
     for lvl in tl.static_range(LEVELS):
-        to_row, from_col, second, first, pair = level_sums(b_w, rows, BT, BK, BT >> lvl)
-        e_row = decay_on(second, to_row)
-        e_col = decay_on(first, from_col)
+        e_row, e_col, pair = level_factors(b_w, rows, BT >> lvl)
         m_pair = tl.where(pair, dA, 0.)
-        d_r += e_row * tl.dot(m_pair, b_k * e_col, input_precision=PREC)
-        d_k += e_col * tl.dot(tl.trans(m_pair), b_r * e_row, input_precision=PREC)
-    # log-decay gradients: every r_t reads +ge_t, every k_s -g_s, the chunk end +g_C (every step of the chunk)
+        d_r += e_row * mm(m_pair, b_k * e_col, BF16, PREC)
+        d_k += e_col * mm(tl.trans(m_pair), b_r * e_row, BF16, PREC)
+    # log-decay gradients: every r_t reads +ge_t, every k_s -g_s, the chunk end +g_C (every step of the chunk):
+    # dw_j = sum_{t >= j} (d_ge - k dk)_t - d_ge_j + d_gC
     d_ge = b_r * d_r
-    dw_ = tl.cumsum(d_ge - b_k * d_k, axis=0, reverse=True) - d_ge + d_gC[None, :]
+    x = d_ge - b_k * d_k
+    dw_ = run_sums(x, rows, BT, False) + x - d_ge + d_gC[None, :]
     # the bonus: A[t, t] = r_t . (u * k_t)
     dD = diag_of(dA, rows, rows)[:, None]
     d_r += dD * b_u[None, :] * b_k
@@ -120,3 +118,12 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, sc
     store_rows(dr, d_r, tok, i_h, H, K, ck, m_t, m_k)
     store_rows(dk, d_k, tok, i_h, H, K, ck, m_t, m_k)
     store_rows(dw, dw_, tok, i_h, H, K, ck, m_t, m_k)
+    # dv = A^T do + (k e^{g_C - g}) dS_C, per V tile (do and dS_C read again: cheaper than holding every tile)
+    A = tl.load(a + (i_c * H + i_h).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        m_v = cv < V
+        dSC = load_state(dh, h_base, ck, cv, V, m_k, m_v)
+        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v) * scale
+        b_dv = mm(tl.trans(A), b_do, BF16, PREC) + mm(k_end, dSC, BF16, PREC)
+        store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)

@@ -35,15 +35,20 @@ class Settings:
 
     chunk: int = 32
     """Tokens per chunk (16 or 32): longer chunks mean fewer sequential scan steps and fewer stored states, at the
-    price of a larger pairwise matrix per chunk; at 64 _bwd_chunk needs more shared memory than an H100 has."""
+    price of a larger pairwise matrix per chunk; at 64 _bwd_chunk's tiles outgrow its registers (2.5 KB spilled per
+    thread on sm_90, scripts/kernel_resources.py)."""
     wide_k_chunk: int = 16
-    """Tokens per chunk where K > 64 (16 or 32): at K = 128 and chunks of 32, _bwd_chunk needs more shared memory
-    than an H100 has."""
+    """Tokens per chunk where K > 64 (16 or 32): at K = 128 and chunks of 32, _bwd_chunk spills 1 KB per thread."""
     prec: str = "tf32"
-    """Operand precision of every fp32 product ("tf32" or "ieee"): tf32 is enough for bf16 models; the interpreter
-    computes exact fp32 whatever this says."""
-    chunk_bv: int = 64
-    """V tile of the per-chunk kernels (_fwd_out, _bwd_chunk): all of V at once for V <= 64."""
+    """Operand precision of the fp32 products ("tf32" or "ieee"): the scans' always, the per-chunk kernels' where
+    their operands are not bf16; the interpreter computes exact fp32 whatever this says."""
+    bf16_products: bool = True
+    """For bf16 inputs, the per-chunk kernels' products (the pairwise matrix, the output, every gradient) take bf16
+    operands with fp32 accumulation, as FLA's kernels do: about 1.1x faster than fp32 operands at B=8 T=4096, at about
+    1.5x their error against an fp64 reference (README.md). The scans' state products stay fp32."""
+    chunk_bv: int = 128
+    """V tile of the per-chunk kernels (_fwd_out, _bwd_chunk): all of V at once up to 128; a loop over V tiles makes
+    _bwd_chunk spill (4.7 KB per thread at K = V = 128 in tiles of 64)."""
     scan_bv: int | None = None
     """V tile of the sequence scans; None: kernels.utils.scan_tile, the widest tile that still gives about one
     program per SM."""
@@ -72,6 +77,10 @@ class Settings:
 
     def scan_tile(self, V: int, sequences_x_heads: int) -> int:
         return self.scan_bv or scan_tile(V, sequences_x_heads)
+
+    def bf16(self, r: torch.Tensor) -> bool:
+        """Whether the per-chunk products take bf16 operands for inputs like r."""
+        return self.bf16_products and r.dtype == torch.bfloat16
 
     def chunk_tile(self, V: int) -> int:
         return min(self.chunk_bv, max(16, next_pow2(V)))
@@ -113,12 +122,13 @@ def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, s: Settings):
         launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), k, v, w, cu, chunk_offsets, block_index, s_in, h, None, None,
                BV=BVb, BLOCKED=True, STORE_H=True, HAS_H0=True, STORE_HT=False, **scan)
     o = torch.empty_like(v)
-    launch(_fwd_out, (NT, H), r, k, v, w, u, h, o, cu, chunk_index, scale, H=H, K=K, V=V, BT=BT, BK=BK,
-           BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.out_warps)
-    return o, ht, h
+    a = torch.empty(NT, H, BT, BT, **f32)
+    launch(_fwd_out, (NT, H), r, k, v, w, u, h, o, a, cu, chunk_index, scale, H=H, K=K, V=V, BT=BT, BK=BK,
+           BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec, num_warps=s.out_warps)
+    return o, ht, h, a
 
 
-def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, blocks, do, dht, s: Settings):
+def _bwd(r, k, v, w, u, scale, h0, cu, h, a, tables, blocks, do, dht, s: Settings):
     from kernels.rwkv6.bwd import _bwd_chunk, _bwd_scan
     from kernels.rwkv6.fwd import _block_scan
 
@@ -151,8 +161,9 @@ def _bwd(r, k, v, w, u, scale, h0, cu, h, tables, blocks, do, dht, s: Settings):
     dr, dk, dv, dw = (torch.empty_like(x) for x in (r, k, v, w))
     # each chunk's share of du (spare chunks of a packed batch write nothing: zeros)
     du = torch.zeros(NT, H, K, **f32)
-    launch(_bwd_chunk, (NT, H), r, k, v, w, u, do, h, dh, cu, chunk_index, dr, dk, dv, dw, du, scale, H=H, K=K,
-           V=V, BT=BT, BK=BK, BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.bwd_warps)
+    launch(_bwd_chunk, (NT, H), r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du, scale, H=H, K=K,
+           V=V, BT=BT, BK=BK, BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec,
+           num_warps=s.bwd_warps)
     return dr, dk, dv, dw, du.sum(0).to(u.dtype), dh0
 
 
@@ -168,7 +179,7 @@ def _tables(cu, total: int, seq_len: int, K: int, H: int, V: int, s: Settings):
 
 # The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
 # Packed inputs [1, T, H, *] (w fp32), cu int32 [N+1]; seq_len the common length of equal rows or 0. Besides o and
-# the final state, the forward returns what the backward reads: the chunk states h.
+# the final state, the forward returns what the backward reads: the chunk states h and the pairwise matrices a.
 def _forward_op(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv6", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[3], r.shape[2], v.shape[3], s)
@@ -178,49 +189,50 @@ def _forward_op(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
 chunk_rwkv6_op = torch.library.custom_op(
     "flame::chunk_rwkv6", _forward_op, mutates_args=(),
     schema="(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float scale, Tensor? h0, bool want_ht, Tensor cu, "
-           "SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h)")
+           "SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h, Tensor a)")
 
 
 def _fake_forward(r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv6", settings)
     _, T, H, K = r.shape
     V, N = v.shape[3], cu.shape[0] - 1
-    NT = chunk_count(N, s.chunk_size(K), T, seq_len or None)
+    BT = s.chunk_size(K)
+    NT = chunk_count(N, BT, T, seq_len or None)
     f32 = lambda *shape: r.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return torch.empty_like(v), f32(N, H, K, V) if want_ht else None, f32(NT, H, K, V)
+    return torch.empty_like(v), f32(N, H, K, V) if want_ht else None, f32(NT, H, K, V), f32(NT, H, BT, BT)
 
 
-def _backward_op(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, do, dht):
+def _backward_op(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, a, do, dht):
     s = from_text("rwkv6", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[3], r.shape[2], v.shape[3], s)
-    return _bwd(r, k, v, w, u, scale, h0, cu, h, tables, blocks, do, dht, s)
+    return _bwd(r, k, v, w, u, scale, h0, cu, h, a, tables, blocks, do, dht, s)
 
 
 chunk_rwkv6_bwd_op = torch.library.custom_op(
     "flame::chunk_rwkv6_bwd", _backward_op, mutates_args=(),
     schema="(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float scale, Tensor? h0, Tensor cu, SymInt seq_len, "
-           "str settings, Tensor h, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, "
+           "str settings, Tensor h, Tensor a, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, "
            "Tensor du, Tensor? dh0)")
 
 
-def _fake_backward(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, do, dht):
+def _fake_backward(r, k, v, w, u, scale, h0, cu, seq_len, settings, h, a, do, dht):
     return (*(torch.empty_like(x) for x in (r, k, v, w, u)), None if h0 is None else torch.empty_like(h0))
 
 
 def _autograd_setup(ctx, inputs, output):
     r, k, v, w, u, scale, h0, want_ht, cu, seq_len, settings = inputs
-    h = output[2]
-    ctx.mark_non_differentiable(h)
+    h, a = output[2:]
+    ctx.mark_non_differentiable(h, a)
     # no zero gradient made for the chunk states; an unused o gets one below
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(r, k, v, w, u, h0, cu, h)
+    ctx.save_for_backward(r, k, v, w, u, h0, cu, h, a)
     ctx.scale, ctx.seq_len, ctx.settings = scale, seq_len, settings
 
 
-def _autograd_backward(ctx, do, dht, _):
-    r, k, v, w, u, h0, cu, h = ctx.saved_tensors
+def _autograd_backward(ctx, do, dht, _h, _a):
+    r, k, v, w, u, h0, cu, h, a = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do.contiguous()
-    dr, dk, dv, dw, du, dh0 = chunk_rwkv6_bwd_op(r, k, v, w, u, ctx.scale, h0, cu, ctx.seq_len, ctx.settings, h, do,
+    dr, dk, dv, dw, du, dh0 = chunk_rwkv6_bwd_op(r, k, v, w, u, ctx.scale, h0, cu, ctx.seq_len, ctx.settings, h, a, do,
                                                  None if dht is None else dht.contiguous())
     return dr, dk, dv, dw, du, None, dh0, None, None, None, None
 
@@ -241,7 +253,7 @@ def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state,
     r_, k_, v_ = (flat(x) for x in (r, k, v))
     w_ = flat(w.float())
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht, _ = chunk_rwkv6_op(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
+    o, ht, _, _ = chunk_rwkv6_op(r_, k_, v_, w_, u.contiguous(), float(scale), h0, bool(output_final_state), cu,
                               T if cu_seqlens is None else 0, settings)
     return o.reshape(B, T, H, V), ht
 

@@ -6,9 +6,11 @@ Launches:
              instead: per block of chunks its map (all blocks at once), _block_scan over the blocks in order
              (elementwise: the transition is diagonal), then per block the fill of h from its entering state;
   _fwd_out   (one program per chunk and head, all chunks at once): the chunk's pairwise matrix A (by halving, one
-             product per level, the bonus on its diagonal) and the output o = scale (r e^{ge} h + A v).
-Every exp() argument is <= 0 by construction: a decay is a sum of log decays over a span of steps, never a
-difference of cumulative sums that can exceed 0, and masked entries never reach the exp (tl_utils.decay_on).
+             product per level, the bonus on its diagonal), kept for the backward, and the output
+             o = scale (r e^{ge} h + A v).
+Every exp() argument is <= 0 by construction: a decay is a sum of log decays over a span of steps (tl_utils.run_sums,
+for every row of a tile, so no entry of it can be positive), never a difference of cumulative sums, and clamped to
+<= 0 against rounding.
 Inputs are packed sequences [1, T_total, H, *]; w and the states are fp32.
 """
 
@@ -17,41 +19,43 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (chunk_program, first_half, half_cumsum, load_cols, load_rows, load_state, pair_mask,
-                               decay_on, second_half, sequence_span, spare_chunk, store_rows)
+from kernels.tl_utils import (chunk_program, load_cols, load_rows, load_state, mm, pair_mask, run_sums, sequence_span,
+                               spare_chunk, store_rows)
 
 
 @triton.jit
-def level_sums(w, rows, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
-    """One halving level of a token-major [BT, BK] chunk (tl_utils' halving levels, blocks of BS rows): for rows t
-    of a second half ge_t - g_m (the log decays strictly between the middle row m and t), for rows s of a first
-    half g_m - g_s (those after s up to m); the half masks [BT, 1] and the pair mask [BT, BT]."""
-    to_row = half_cumsum(w, BT, BK, BS // 2) - w
-    from_col = half_cumsum(w, BT, BK, BS // 2, True) - w
-    return to_row, from_col, second_half(rows, BS)[:, None], first_half(rows, BS)[:, None], pair_mask(rows, rows, BS)
+def level_factors(w, rows, BS: tl.constexpr):
+    """One halving level of a token-major [BT, BK] chunk of log decays (tl_utils' halving levels, blocks of BS rows):
+    for a row t of a second half e^{ge_t - g_m} (the steps strictly between the block's middle row m and t), for a
+    row s of a first half e^{g_m - g_s} (the steps after s up to m), and the pair mask [BT, BT]. Each exponent is a
+    run sum of log decays, clamped to <= 0 against rounding; at BS = 2 both spans are empty."""
+    if BS == 2:
+        ones = tl.full(w.shape, 1., tl.float32)
+        return ones, ones, pair_mask(rows, rows, BS)
+    e_row = tl.exp(tl.minimum(run_sums(w, rows, BS // 2, True), 0.))
+    e_col = tl.exp(tl.minimum(run_sums(w, rows, BS // 2, False), 0.))
+    return e_row, e_col, pair_mask(rows, rows, BS)
 
 
 @triton.jit
-def chunk_decays(w):
+def chunk_decays(w, rows, BT: tl.constexpr):
     """Of a token-major [BT, BK] chunk of log decays: exp(ge_t) (the steps before t) and exp(g_C - g_t) (the steps
     after t), each a sum of log decays over the span itself, clamped to <= 0 against rounding."""
-    before = tl.cumsum(w, axis=0) - w
-    after = tl.cumsum(w, axis=0, reverse=True) - w
+    before = run_sums(w, rows, BT, True)
+    after = run_sums(w, rows, BT, False)
     return tl.exp(tl.minimum(before, 0.)), tl.exp(tl.minimum(after, 0.))
 
 
 @triton.jit
-def pairwise(b_r, b_k, b_w, b_u, rows, BT: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
-             PREC: tl.constexpr):
+def pairwise(b_r, b_k, b_w, b_u, rows, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
     """A [BT, BT]: A[t, s] = sum_k r_tk k_sk exp(ge_tk - g_sk) for s < t and r_t . (u * k_t) on the diagonal. By
     halving: a pair (t, s) straddling the middle m of its block factors as exp(ge_t - g_m) exp(g_m - g_s), both
     sums over at most BS/2 steps, so each level is one product."""
+    BT: tl.constexpr = b_r.shape[0]
     A = tl.where(rows[:, None] == rows[None, :], tl.sum(b_r * b_u[None, :] * b_k, axis=1)[:, None], 0.)
     for lvl in tl.static_range(LEVELS):
-        to_row, from_col, second, first, pair = level_sums(b_w, rows, BT, BK, BT >> lvl)
-        r_hat = b_r * decay_on(second, to_row)
-        k_hat = b_k * decay_on(first, from_col)
-        A += tl.where(pair, tl.dot(r_hat, tl.trans(k_hat), input_precision=PREC), 0.)
+        e_row, e_col, pair = level_factors(b_w, rows, BT >> lvl)
+        A += tl.where(pair, mm(b_r * e_row, tl.trans(b_k * e_col), BF16, PREC), 0.)
     return A
 
 
@@ -150,8 +154,9 @@ def _block_scan(block_offsets, gb, sb, s0, s_in, s_end, H: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def _fwd_out(r, k, v, w, u, h, o, cu, chunk_index, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+def _fwd_out(r, k, v, w, u, h, o, a, cu, chunk_index, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
+             PREC: tl.constexpr):
     if spare_chunk(cu, chunk_index, BT):
         return
     i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
@@ -159,8 +164,10 @@ def _fwd_out(r, k, v, w, u, h, o, cu, chunk_index, scale, H: tl.constexpr, K: tl
     b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
     b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
     b_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
-    A = pairwise(b_r, b_k, b_w, b_u, rows, BT, BK, LEVELS, PREC)
-    e_before, _ = chunk_decays(b_w)
+    A = pairwise(b_r, b_k, b_w, b_u, rows, LEVELS, BF16, PREC)
+    # kept for the backward's dv = A^T do (one fp32 [BT, BT] per chunk and head: cheaper than forming it again)
+    tl.store(a + (i_c * H + i_h).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :], A)
+    e_before, _ = chunk_decays(b_w, rows, BT)
     r_dec = b_r * e_before
     h_base = (i_c * H + i_h).to(tl.int64) * K * V
     for i_v in range(tl.cdiv(V, BV)):
@@ -168,5 +175,5 @@ def _fwd_out(r, k, v, w, u, h, o, cu, chunk_index, scale, H: tl.constexpr, K: tl
         m_v = cv < V
         S0 = load_state(h, h_base, ck, cv, V, m_k, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_o = tl.dot(r_dec, S0, input_precision=PREC) + tl.dot(A, b_v, input_precision=PREC)
+        b_o = mm(r_dec, S0, BF16, PREC) + mm(A, b_v, BF16, PREC)
         store_rows(o, b_o * scale, tok, i_h, H, V, cv, m_t, m_v)

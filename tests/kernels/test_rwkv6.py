@@ -248,7 +248,8 @@ def test_gpu_initial_state_kv_pairs(K, V):
 
 @gpu
 @pytest.mark.parametrize("fields", [dict(chunk=16), dict(chunk=32), dict(scan_bv=16), dict(scan_bv=64),
-                                    dict(chunk_bv=32), dict(prec="ieee"), dict(blocked_scan=True, block_chunks=4),
+                                    dict(chunk_bv=32), dict(prec="ieee"), dict(bf16_products=False),
+                                    dict(blocked_scan=True, block_chunks=4),
                                     dict(blocked_scan=False)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
