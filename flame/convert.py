@@ -5,8 +5,8 @@
 SRC, detected by what it holds:
   - an RWKV-LM RWKV-7 (x070) or RWKV-6 (x060) checkpoint: a .pth file of RWKV-LM-named tensors (version and
     settings read off their names and shapes);
-  - an FLA / Hugging Face folder: config.json with model_type rwkv7 or gsa, weights as model.safetensors, sharded
-    safetensors (model.safetensors.index.json) or pytorch_model.bin;
+  - an FLA / Hugging Face folder: config.json with model_type rwkv7, rwkv6 or gsa, weights as model.safetensors,
+    sharded safetensors (model.safetensors.index.json) or pytorch_model.bin;
   - a flame export folder (config.json with "model", model.safetensors: python -m flame.export writes these);
   - a flame run folder: its newest complete checkpoint, or --step N (any number of ranks saved it).
 DST, by --to: flame (default) an export folder for flame.export.load_exported and checkpoint.init_from; fla a folder

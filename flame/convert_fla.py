@@ -1,4 +1,4 @@
-"""FLA (flash-linear-attention) / Hugging Face model folders <-> flame weights, for RWKV-7 and GSA.
+"""FLA (flash-linear-attention) / Hugging Face model folders <-> flame weights, for RWKV-7, RWKV-6 and GSA.
 
 An FLA folder is config.json (model_type, architectures and every field FLA's config class writes) + the weights as
 model.safetensors, sharded safetensors with model.safetensors.index.json, or pytorch_model.bin (+ its index), and
@@ -168,6 +168,137 @@ class RWKV7Layout:
         return out
 
 
+# ------------------------------------------------------------------------------------------------------ RWKV-6
+class RWKV6Layout:
+    """FLA's RWKV6ForCausalLM: model.embeddings, model.layers.i.{pre_norm (layer 0: flame's embed_norm), attn_norm,
+    attn, ffn_norm, ffn}, model.norm, lm_head. Inside attn: x_proj.0 (mu = flame's maa_x, linear = maa_w1^T),
+    x_proj.2 (maa_w2) and x_bias (maa) hold the five mixes in the order r, w, k, v, g (flame's and RWKV-LM's: w, k,
+    v, r, g); {r,k,v,g}_proj.linear the projections; w_proj.linear the decay path as a LoRA (lora.0 = decay_w1^T,
+    lora.2 = decay_w2^T with bias decay); bonus; g_norm = ln_x. The channel mix's key and receptance are lerps
+    (mu = maa_k, maa_r).
+
+    FLA normalizes the heads' output at its one norm_eps (the LayerNorms' 1e-5), flame at RWKV-LM's 64e-5. A
+    GroupNorm of s * o at eps equals one of o at eps / s^2, and o is linear in v: FLA's v_proj holds flame's v_proj
+    times s = sqrt(norm_eps / 64e-5), 1/8 at 1e-5, a power of two, so the conversion is exact both ways."""
+
+    model_type, flame_name, architecture = "rwkv6", "rwkv6", "RWKV6ForCausalLM"
+    FLA_MIXES = ("r", "w", "k", "v", "g")
+    """FLA's order of the five mixes (flame's is flame.models.rwkv6.MIXES)."""
+
+    def config(self, args) -> dict:
+        C = args.hidden_size
+        return {
+            "architectures": [self.architecture], "attn": None, "attn_mode": "chunk", "bos_token_id": 1,
+            "dtype": "float32", "eos_token_id": 2, "expand_k": 1.0, "expand_v": 1.0, "fuse_cross_entropy": True,
+            "fuse_linear_cross_entropy": False, "fuse_norm": True, "gate_low_rank_dim": args.decay_low_rank,
+            "hidden_act": "sqrelu", "hidden_ratio": 3.5, "hidden_size": C, "initializer_range": 0.02,
+            "intermediate_size": args.ffn_width, "max_position_embeddings": 2048, "model_type": self.model_type,
+            "norm_bias": True, "norm_eps": args.norm_eps, "norm_first": True, "num_heads": C // args.head_dim,
+            "num_hidden_layers": args.num_layers, "pad_token_id": None, "proj_low_rank_dim": args.mix_low_rank,
+            "tie_word_embeddings": False, "use_cache": True, "use_l2warp": True, "vocab_size": args.vocab_size,
+        }
+
+    def check_writable(self, args, source: str) -> None:
+        """Every flame RWKV-6 has an FLA counterpart."""
+
+    def notes(self, args) -> list[str]:
+        return []
+
+    def args(self, cfg: dict, file: Path):
+        if cfg.get("attn") is not None:
+            raise ConvertError(f"{file}: attn = {cfg['attn']!r}: hybrid models with attention layers are not "
+                               f"supported")
+        for key, want, default in (("expand_k", 1, 0.5), ("expand_v", 1, 1), ("norm_first", True, True),
+                                   ("norm_bias", True, True), ("hidden_act", "sqrelu", "sqrelu")):
+            _require(cfg, key, want, file, default)
+        C = _int(cfg, "hidden_size", 2048, file)
+        heads = _int(cfg, "num_heads", 4, file)
+        if heads < 1 or C % heads:
+            raise ConvertError(f"{file}: num_heads = {heads} does not divide hidden_size = {C}")
+        ratio = cfg.get("hidden_ratio", 3.5) or 3.5
+        ffn = cfg.get("intermediate_size") or 32 * math.ceil(int(C * ratio) / 32)   # FLA rounds an unset width up
+        fields = {"vocab_size": _int(cfg, "vocab_size", 32000, file), "hidden_size": C,
+                  "num_layers": _int(cfg, "num_hidden_layers", 24, file), "head_dim": C // heads,
+                  "mix_low_rank": _int(cfg, "proj_low_rank_dim", 32, file),
+                  "decay_low_rank": _int(cfg, "gate_low_rank_dim", 64, file),
+                  "ffn_size": None if ffn == int(C * 3.5) // 32 * 32 else ffn,   # None: RWKV-LM's width
+                  "norm_eps": float(cfg.get("norm_eps", 1e-5))}
+        return build_args(self.flame_name, fields, file)
+
+    @staticmethod
+    def v_scale(args) -> float:
+        """FLA's v_proj over flame's (class docstring)."""
+        from flame.models.rwkv6 import LN_X_EPS
+        return math.sqrt(args.norm_eps / LN_X_EPS)
+
+    def _order(self):
+        from flame.models.rwkv6 import MIXES
+        return [MIXES.index(m) for m in self.FLA_MIXES]
+
+    def to_fla(self, state: dict, args) -> dict:
+        C, D, order = args.hidden_size, args.mix_low_rank, self._order()
+        out = {"model.embeddings.weight": state["embed.weight"]}
+        _norm(out, "model.layers.0.pre_norm", state, "embed_norm")
+        for i in range(args.num_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            a, att, f, ffn = ours + "attn.", theirs + "attn.", ours + "ffn.", theirs + "ffn."
+            _norm(out, theirs + "attn_norm", state, ours + "attn_norm")
+            out[att + "x_proj.0.mu"] = state[a + "maa_x"]
+            out[att + "x_proj.0.linear.weight"] = state[a + "maa_w1"].view(C, 5, D)[:, order].reshape(C, 5 * D).t()
+            out[att + "x_proj.2.weight"] = state[a + "maa_w2"][order].permute(2, 0, 1).reshape(C, 5 * D)
+            out[att + "x_bias"] = state[a + "maa"][order]
+            for x in ("r", "k", "g"):
+                out[f"{att}{x}_proj.linear.weight"] = state[f"{a}{x}_proj.weight"]
+            out[att + "v_proj.linear.weight"] = state[a + "v_proj.weight"] * self.v_scale(args)
+            out[att + "w_proj.linear.lora.0.weight"] = state[a + "decay_w1"].t()
+            out[att + "w_proj.linear.lora.2.weight"] = state[a + "decay_w2"].t()
+            out[att + "w_proj.linear.lora.2.bias"] = state[a + "decay"]
+            out[att + "bonus"] = state[a + "bonus"]
+            _norm(out, att + "g_norm", state, a + "ln_x")
+            out[att + "o_proj.weight"] = state[a + "o_proj.weight"]
+            _norm(out, theirs + "ffn_norm", state, ours + "ffn_norm")
+            out[ffn + "key.mu"] = state[f + "maa_k"]
+            out[ffn + "key.linear.weight"] = state[f + "key.weight"]
+            out[ffn + "receptance.mu"] = state[f + "maa_r"]
+            out[ffn + "receptance.linear.weight"] = state[f + "receptance.weight"]
+            out[ffn + "value.weight"] = state[f + "value.weight"]
+        _norm(out, "model.norm", state, "norm")
+        out["lm_head.weight"] = state["lm_head.weight"]
+        return out
+
+    def from_fla(self, sd: dict, args) -> dict:
+        C, D, order = args.hidden_size, args.mix_low_rank, self._order()
+        back = [order.index(j) for j in range(5)]   # flame's mix j is FLA's mix back[j]
+        out = {"embed.weight": sd["model.embeddings.weight"]}
+        _norm(out, "embed_norm", sd, "model.layers.0.pre_norm")
+        for i in range(args.num_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            a, att, f, ffn = ours + "attn.", theirs + "attn.", ours + "ffn.", theirs + "ffn."
+            _norm(out, ours + "attn_norm", sd, theirs + "attn_norm")
+            out[a + "maa_x"] = sd[att + "x_proj.0.mu"]
+            out[a + "maa_w1"] = sd[att + "x_proj.0.linear.weight"].t().reshape(C, 5, D)[:, back].reshape(C, 5 * D)
+            out[a + "maa_w2"] = sd[att + "x_proj.2.weight"].reshape(C, 5, D).permute(1, 2, 0)[back]
+            out[a + "maa"] = sd[att + "x_bias"][back]
+            for x in ("r", "k", "g"):
+                out[f"{a}{x}_proj.weight"] = sd[f"{att}{x}_proj.linear.weight"]
+            out[a + "v_proj.weight"] = sd[att + "v_proj.linear.weight"] / self.v_scale(args)
+            out[a + "decay_w1"] = sd[att + "w_proj.linear.lora.0.weight"].t()
+            out[a + "decay_w2"] = sd[att + "w_proj.linear.lora.2.weight"].t()
+            out[a + "decay"] = sd[att + "w_proj.linear.lora.2.bias"]
+            out[a + "bonus"] = sd[att + "bonus"]
+            _norm(out, a + "ln_x", sd, att + "g_norm")
+            out[a + "o_proj.weight"] = sd[att + "o_proj.weight"]
+            _norm(out, ours + "ffn_norm", sd, theirs + "ffn_norm")
+            out[f + "maa_k"] = sd[ffn + "key.mu"]
+            out[f + "key.weight"] = sd[ffn + "key.linear.weight"]
+            out[f + "maa_r"] = sd[ffn + "receptance.mu"]
+            out[f + "receptance.weight"] = sd[ffn + "receptance.linear.weight"]
+            out[f + "value.weight"] = sd[ffn + "value.weight"]
+        _norm(out, "norm", sd, "model.norm")
+        out["lm_head.weight"] = sd["lm_head.weight"]
+        return out
+
+
 # --------------------------------------------------------------------------------------------------------- GSA
 class GSALayout:
     """FLA's GSAForCausalLM. flame's GSA uses FLA's names inside each block, so only the prefixes differ: FLA's
@@ -245,7 +376,7 @@ class GSALayout:
         return name
 
 
-LAYOUTS = {layout.model_type: layout for layout in (RWKV7Layout(), GSALayout())}
+LAYOUTS = {layout.model_type: layout for layout in (RWKV7Layout(), RWKV6Layout(), GSALayout())}
 """FLA model_type -> its layout."""
 
 

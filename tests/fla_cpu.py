@@ -122,6 +122,12 @@ def fla_gsa(seed: int | None = 0, **config_kwargs):
     return fla_causal_lm(GSAConfig, GSAForCausalLM, seed, **config_kwargs)
 
 
+def fla_rwkv6(seed: int | None = 0, **config_kwargs):
+    """FLA's RWKV6ForCausalLM (fla.models.RWKV6Config keyword arguments)."""
+    from fla.models import RWKV6Config, RWKV6ForCausalLM
+    return fla_causal_lm(RWKV6Config, RWKV6ForCausalLM, seed, **config_kwargs)
+
+
 def fla_rwkv7(seed: int | None = 0, **config_kwargs):
     """FLA's RWKV7ForCausalLM (fla.models.RWKV7Config keyword arguments)."""
     from fla.models import RWKV7Config, RWKV7ForCausalLM

@@ -1,10 +1,12 @@
 """flame.convert for RWKV-6: an RWKV-LM x060 .pth converted into flame gives the rwkv package's RWKV-6 logits (RNN
-mode token by token, sequence mode, packed documents), the round trip through RWKV-LM is bit-exact, foreseeable bad
-input is one line and exit code 2."""
+mode token by token, sequence mode, packed documents), the round trips through RWKV-LM and FLA are bit-exact, the
+--to fla folder gives FLA's own model (on CPU, tests/fla_cpu.py) flame's logits, a folder FLA wrote converts into
+flame with FLA's logits, foreseeable bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -174,4 +176,56 @@ def test_bad_input_is_one_line(pth, exported, tmp_path, capsys):
     sd = {k: v for k, v in rwkv_lm_checkpoint(seed=1).items() if "time_maa" not in k}
     torch.save(sd, tmp_path / "x052.pth")
     assert "x052" in fails(tmp_path / "x052.pth", tmp_path / "c")
-    assert "rwkv6" in fails(exported, tmp_path / "fla", "--to", "fla")   # FLA's RWKV-6 is not a target
+    # FLA's RWKV-6 with a key width other than hidden_size (its default expand_k 0.5) is not flame's model
+    convert(exported, tmp_path / "fla", "--to", "fla")
+    capsys.readouterr()
+    config = json.loads((tmp_path / "fla" / "config.json").read_text())
+    (tmp_path / "fla" / "config.json").write_text(json.dumps({**config, "expand_k": 0.5}))
+    assert "expand_k" in fails(tmp_path / "fla", tmp_path / "d")
+
+
+def fla_logits(folder, ids):
+    """FLA's RWKV6ForCausalLM from `folder`, fp32 on CPU under the interpreter (its PyTorch norms), logits of ids
+    (below 64 tokens FLA runs its step-by-step kernel)."""
+    fla_cpu = pytest.importorskip("tests.fla_cpu")
+    from transformers import AutoModelForCausalLM
+
+    import fla  # noqa: F401  (registers FLA's models with transformers)
+    with fla_cpu.fla_interpreter(), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(folder, fuse_norm=False, fuse_cross_entropy=False).float().eval()
+        assert type(model).__name__ == "RWKV6ForCausalLM"
+        return model(ids).logits
+
+
+def test_fla_folder_gives_flame_logits_and_round_trips(exported, tmp_path):
+    convert(exported, tmp_path / "fla", "--to", "fla")
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    want = fla_logits(tmp_path / "fla", ids)
+    with torch.no_grad():
+        got = load_exported(exported).eval()(ids)
+    assert relative(got, want) < 1e-4
+    convert(tmp_path / "fla", tmp_path / "back")
+    a, b = read_export(exported), read_export(tmp_path / "back")
+    assert a.args == b.args
+    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+
+
+def test_fla_made_folder_converts_into_flame(tmp_path):
+    # FLA's own init (its LoRA weights start at zero) moved away from it, so that every tensor matters
+    fla_cpu = pytest.importorskip("tests.fla_cpu")
+    theirs = fla_cpu.fla_rwkv6(hidden_size=WIDTH, num_heads=WIDTH // HEAD, expand_k=1.0, num_hidden_layers=LAYERS,
+                               proj_low_rank_dim=MIX_RANK, gate_low_rank_dim=DECAY_RANK, vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    theirs.save_pretrained(tmp_path / "fla")
+    convert(tmp_path / "fla", tmp_path / "flame")
+    ours = load_exported(tmp_path / "flame").eval()
+    assert ours.args.ffn_width == 448   # FLA's width: int(3.5 C) rounded up to a multiple of 32
+    docs = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(docs).logits
+        got = ours(docs)
+        packed = ours(docs.reshape(1, 32), cu_seqlens=torch.tensor([0, 16, 32])).view(2, 16, -1)
+    assert relative(got, want) < 1e-4
+    assert relative(packed, want) < 1e-4
