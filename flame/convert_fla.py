@@ -231,72 +231,54 @@ class RWKV6Layout:
         from flame.models.rwkv6 import LN_X_EPS
         return math.sqrt(args.norm_eps / LN_X_EPS)
 
-    def _order(self):
+    def _pairs(self, args) -> list:
+        """(flame name, FLA name, flame -> FLA, FLA -> flame) of every tensor."""
         from flame.models.rwkv6 import MIXES
-        return [MIXES.index(m) for m in self.FLA_MIXES]
+        C, D, s = args.hidden_size, args.mix_low_rank, self.v_scale(args)
+        order = [MIXES.index(m) for m in self.FLA_MIXES]     # FLA's mix n is flame's order[n]
+        back = [order.index(j) for j in range(5)]            # flame's mix j is FLA's back[j]
+        same = lambda x: x  # noqa: E731
+        t = lambda x: x.t()  # noqa: E731
+
+        def norm(ours: str, theirs: str) -> list:
+            return [(f"{ours}.{p}", f"{theirs}.{p}", same, same) for p in ("weight", "bias")]
+
+        pairs = [("embed.weight", "model.embeddings.weight", same, same),
+                 *norm("embed_norm", "model.layers.0.pre_norm"), *norm("norm", "model.norm"),
+                 ("lm_head.weight", "lm_head.weight", same, same)]
+        for i in range(args.num_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            a, att, f, ffn = ours + "attn.", theirs + "attn.", ours + "ffn.", theirs + "ffn."
+            pairs += [
+                *norm(ours + "attn_norm", theirs + "attn_norm"), *norm(ours + "ffn_norm", theirs + "ffn_norm"),
+                (a + "maa_x", att + "x_proj.0.mu", same, same),
+                (a + "maa_w1", att + "x_proj.0.linear.weight",
+                 lambda x: x.view(C, 5, D)[:, order].reshape(C, 5 * D).t(),
+                 lambda x: x.t().reshape(C, 5, D)[:, back].reshape(C, 5 * D)),
+                (a + "maa_w2", att + "x_proj.2.weight", lambda x: x[order].permute(2, 0, 1).reshape(C, 5 * D),
+                 lambda x: x.reshape(C, 5, D).permute(1, 2, 0)[back]),
+                (a + "maa", att + "x_bias", lambda x: x[order], lambda x: x[back]),
+                *[(f"{a}{x}_proj.weight", f"{att}{x}_proj.linear.weight", same, same) for x in ("r", "k", "g")],
+                (a + "v_proj.weight", att + "v_proj.linear.weight", lambda x: x * s, lambda x: x / s),
+                (a + "decay_w1", att + "w_proj.linear.lora.0.weight", t, t),
+                (a + "decay_w2", att + "w_proj.linear.lora.2.weight", t, t),
+                (a + "decay", att + "w_proj.linear.lora.2.bias", same, same),
+                (a + "bonus", att + "bonus", same, same),
+                *norm(a + "ln_x", att + "g_norm"),
+                (a + "o_proj.weight", att + "o_proj.weight", same, same),
+                (f + "maa_k", ffn + "key.mu", same, same),
+                (f + "key.weight", ffn + "key.linear.weight", same, same),
+                (f + "maa_r", ffn + "receptance.mu", same, same),
+                (f + "receptance.weight", ffn + "receptance.linear.weight", same, same),
+                (f + "value.weight", ffn + "value.weight", same, same),
+            ]
+        return pairs
 
     def to_fla(self, state: dict, args) -> dict:
-        C, D, order = args.hidden_size, args.mix_low_rank, self._order()
-        out = {"model.embeddings.weight": state["embed.weight"]}
-        _norm(out, "model.layers.0.pre_norm", state, "embed_norm")
-        for i in range(args.num_layers):
-            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-            a, att, f, ffn = ours + "attn.", theirs + "attn.", ours + "ffn.", theirs + "ffn."
-            _norm(out, theirs + "attn_norm", state, ours + "attn_norm")
-            out[att + "x_proj.0.mu"] = state[a + "maa_x"]
-            out[att + "x_proj.0.linear.weight"] = state[a + "maa_w1"].view(C, 5, D)[:, order].reshape(C, 5 * D).t()
-            out[att + "x_proj.2.weight"] = state[a + "maa_w2"][order].permute(2, 0, 1).reshape(C, 5 * D)
-            out[att + "x_bias"] = state[a + "maa"][order]
-            for x in ("r", "k", "g"):
-                out[f"{att}{x}_proj.linear.weight"] = state[f"{a}{x}_proj.weight"]
-            out[att + "v_proj.linear.weight"] = state[a + "v_proj.weight"] * self.v_scale(args)
-            out[att + "w_proj.linear.lora.0.weight"] = state[a + "decay_w1"].t()
-            out[att + "w_proj.linear.lora.2.weight"] = state[a + "decay_w2"].t()
-            out[att + "w_proj.linear.lora.2.bias"] = state[a + "decay"]
-            out[att + "bonus"] = state[a + "bonus"]
-            _norm(out, att + "g_norm", state, a + "ln_x")
-            out[att + "o_proj.weight"] = state[a + "o_proj.weight"]
-            _norm(out, theirs + "ffn_norm", state, ours + "ffn_norm")
-            out[ffn + "key.mu"] = state[f + "maa_k"]
-            out[ffn + "key.linear.weight"] = state[f + "key.weight"]
-            out[ffn + "receptance.mu"] = state[f + "maa_r"]
-            out[ffn + "receptance.linear.weight"] = state[f + "receptance.weight"]
-            out[ffn + "value.weight"] = state[f + "value.weight"]
-        _norm(out, "model.norm", state, "norm")
-        out["lm_head.weight"] = state["lm_head.weight"]
-        return out
+        return {theirs: to(state[ours]) for ours, theirs, to, _ in self._pairs(args)}
 
     def from_fla(self, sd: dict, args) -> dict:
-        C, D, order = args.hidden_size, args.mix_low_rank, self._order()
-        back = [order.index(j) for j in range(5)]   # flame's mix j is FLA's mix back[j]
-        out = {"embed.weight": sd["model.embeddings.weight"]}
-        _norm(out, "embed_norm", sd, "model.layers.0.pre_norm")
-        for i in range(args.num_layers):
-            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-            a, att, f, ffn = ours + "attn.", theirs + "attn.", ours + "ffn.", theirs + "ffn."
-            _norm(out, ours + "attn_norm", sd, theirs + "attn_norm")
-            out[a + "maa_x"] = sd[att + "x_proj.0.mu"]
-            out[a + "maa_w1"] = sd[att + "x_proj.0.linear.weight"].t().reshape(C, 5, D)[:, back].reshape(C, 5 * D)
-            out[a + "maa_w2"] = sd[att + "x_proj.2.weight"].reshape(C, 5, D).permute(1, 2, 0)[back]
-            out[a + "maa"] = sd[att + "x_bias"][back]
-            for x in ("r", "k", "g"):
-                out[f"{a}{x}_proj.weight"] = sd[f"{att}{x}_proj.linear.weight"]
-            out[a + "v_proj.weight"] = sd[att + "v_proj.linear.weight"] / self.v_scale(args)
-            out[a + "decay_w1"] = sd[att + "w_proj.linear.lora.0.weight"].t()
-            out[a + "decay_w2"] = sd[att + "w_proj.linear.lora.2.weight"].t()
-            out[a + "decay"] = sd[att + "w_proj.linear.lora.2.bias"]
-            out[a + "bonus"] = sd[att + "bonus"]
-            _norm(out, a + "ln_x", sd, att + "g_norm")
-            out[a + "o_proj.weight"] = sd[att + "o_proj.weight"]
-            _norm(out, ours + "ffn_norm", sd, theirs + "ffn_norm")
-            out[f + "maa_k"] = sd[ffn + "key.mu"]
-            out[f + "key.weight"] = sd[ffn + "key.linear.weight"]
-            out[f + "maa_r"] = sd[ffn + "receptance.mu"]
-            out[f + "receptance.weight"] = sd[ffn + "receptance.linear.weight"]
-            out[f + "value.weight"] = sd[ffn + "value.weight"]
-        _norm(out, "norm", sd, "model.norm")
-        out["lm_head.weight"] = sd["lm_head.weight"]
-        return out
+        return {ours: back(sd[theirs]) for ours, theirs, _, back in self._pairs(args)}
 
 
 # --------------------------------------------------------------------------------------------------------- GSA
