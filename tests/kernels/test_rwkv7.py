@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kernels.rwkv7 import chunk_rwkv7, chunk_rwkv7_torch, naive_rwkv7
 from kernels.rwkv7.chunk import Settings
 from tests.kernels import common
-from tests.kernels.common import CPU_TOL, GPU_TOL
+from tests.kernels.common import CPU_TOL, GPU_TOL, run
 
 NAMES = ("o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0")
 
@@ -38,25 +38,8 @@ def make_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, decay="mode
     return xs, h0
 
 
-def run(fn, xs, h0, scale, cu_seqlens=None, seed=1, **kw):
-    """(outputs, grads) of fn for a fixed random cotangent on o and on the final state."""
-    xs = [x.detach().clone().requires_grad_(True) for x in xs]
-    h0 = None if h0 is None else h0.detach().clone().requires_grad_(True)
-    o, ht = fn(*xs, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen).to(o.device)
-    dht = torch.randn(ht.shape, generator=gen).to(o.device)
-    ((o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()).backward()
-    grads = [x.grad for x in xs] + [None if h0 is None else h0.grad]
-    return [o.detach(), ht.detach()] + grads
-
-
-def naive(xs, h0, scale, cu_seqlens=None):
-    return run(naive_rwkv7, xs, h0, scale, cu_seqlens)
-
-
-def assert_close(got, ref, tol, what="", names=NAMES):
-    common.assert_close(got, ref, tol, what, names)
+OP = common.ChunkOp(chunk_rwkv7, chunk_rwkv7_torch, naive_rwkv7, make_inputs, NAMES)
+naive, assert_close = OP.naive, OP.assert_close
 
 
 @pytest.fixture
@@ -69,8 +52,7 @@ def interp():
 
 @pytest.mark.parametrize("B,T", [(2, 1), (2, 15), (2, 64), (2, 100), (1, 1000)])
 def test_torch_path_matches_naive(B, T):
-    xs, h0 = make_inputs(B, T, 2, 32, 32, decay="wide", seed=T)
-    assert_close(run(chunk_rwkv7_torch, xs, h0, 0.5), naive(xs, h0, 0.5), CPU_TOL, f"T={T}")
+    common.torch_path_matches_naive(OP, B, T)
 
 
 def test_torch_path_is_the_cpu_default():
@@ -81,22 +63,11 @@ def test_torch_path_is_the_cpu_default():
 
 
 def test_torch_path_varlen():
-    cu = torch.tensor([0, 5, 37, 38, 100])
-    xs, h0 = make_inputs(1, 100, 2, 32, 16, decay="wide", n_seq=4, seed=3)
-    assert_close(run(chunk_rwkv7_torch, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
+    common.torch_path_varlen(OP)
 
 
 def test_torch_path_stress_decays_t4096():
-    # Log decays from -1e-6 to -50 mixed in one sequence: a factorized exp(g_t) * exp(-g_s) would overflow here.
-    xs, h0 = make_inputs(1, 4096, 1, 32, 32, decay="stress", seed=4)
-    got = run(chunk_rwkv7_torch, xs, h0, 1.0)
-    with torch.no_grad():
-        o_ref, ht_ref = naive_rwkv7(*xs, initial_state=h0, output_final_state=True)
-    assert_close(got[:2], [o_ref, ht_ref], CPU_TOL, "stress fwd vs naive")
-    # Gradients: the fp64 chunked path (checked against the naive recurrence above) is the reference at this
-    # length; autograd through 4096 naive steps would take a minute of CI.
-    ref = run(lambda *a, **kw: chunk_rwkv7_torch(*a, compute_dtype=torch.float64, **kw), xs, h0, 1.0)
-    assert_close(got, ref, CPU_TOL, "stress bwd")
+    common.torch_path_stress_decays_t4096(OP, K=32)
 
 
 # ---------------------------------------------------------------- CPU: Triton kernel under the interpreter
@@ -117,8 +88,7 @@ def test_triton_interpreter_varlen_no_initial_state(interp):
 @pytest.mark.parametrize("K", [32, 64, 128])
 @pytest.mark.parametrize("V", [32, 64, 128])
 def test_triton_interpreter_initial_state_kv_pairs(K, V, interp):
-    xs, h0 = make_inputs(1, 20, 1, K, V, seed=K + V)
-    assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V}")
+    common.interpreter_initial_state_kv_pairs(OP, interp, K, V)
 
 
 @pytest.mark.parametrize("K,V", [(32, 128), (128, 32)])
@@ -189,39 +159,22 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(blocked, interp):
 gpu = pytest.mark.gpu
 
 
-def gpu_ref(xs, h0, scale, cu=None):
-    """fp64 naive recurrence on the GPU, or the fp64 chunked path past 4096 steps (checked against it on CPU)."""
-    if xs[0].shape[1] <= 4096:
-        return naive(xs, h0, scale, cu)
-    return run(lambda *a, **kw: chunk_rwkv7_torch(*a, compute_dtype=torch.float64, **kw), xs, h0, scale, cu)
-
-
 @gpu
-@pytest.mark.parametrize("B,T,H,K,V", [
-    (2, 1, 4, 64, 64), (2, 15, 4, 64, 64), (2, 64, 4, 64, 64), (2, 100, 4, 64, 64), (2, 1000, 4, 64, 64),
-    (2, 4096, 4, 64, 64), (1, 16384, 2, 64, 64), (2, 500, 2, 32, 32), (2, 500, 2, 128, 128),
-    (2, 300, 2, 64, 128), (2, 300, 2, 128, 64)])
+@pytest.mark.parametrize("B,T,H,K,V", common.GPU_SHAPES)
 def test_gpu_bf16_matches_naive(B, T, H, K, V):
-    xs, h0 = make_inputs(B, T, H, K, V, device="cuda", dtype=torch.bfloat16, seed=T + K)
-    got = run(chunk_rwkv7, xs, h0, K ** -0.5)
-    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32 and got[-1].dtype == torch.float32
-    assert_close(got, gpu_ref(xs, h0, K ** -0.5), GPU_TOL, f"{B=} {T=} {H=} {K=} {V=}")
+    common.gpu_bf16_matches_naive(OP, B, T, H, K, V)
 
 
 @gpu
 def test_gpu_varlen_many_sequences():
-    lens = [1, 15, 16, 17, 64, 100, 333, 1000, 7]
-    cu = torch.tensor([0] + lens).cumsum(0).cuda()
-    xs, h0 = make_inputs(1, sum(lens), 4, 64, 64, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=7)
-    assert_close(run(chunk_rwkv7, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), GPU_TOL, "varlen")
+    common.gpu_varlen_many_sequences(OP)
 
 
 @gpu
 @pytest.mark.parametrize("K", [32, 64, 128])
 @pytest.mark.parametrize("V", [32, 64, 128])
 def test_gpu_initial_state_kv_pairs(K, V):
-    xs, h0 = make_inputs(1, 150, 2, K, V, device="cuda", dtype=torch.bfloat16, seed=K * V)
-    assert_close(run(chunk_rwkv7, xs, h0, 1.0), naive(xs, h0, 1.0), GPU_TOL, f"{K=} {V=}")
+    common.gpu_initial_state_kv_pairs(OP, K, V)
 
 
 @gpu
@@ -236,16 +189,12 @@ def test_gpu_initial_state_block_sizes(K, V, bv):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_stress_decays_t4096(dtype):
-    xs, h0 = make_inputs(1, 4096, 2, 64, 64, device="cuda", dtype=dtype, decay="stress", seed=8)
-    assert_close(run(chunk_rwkv7, xs, h0, 1.0), naive(xs, h0, 1.0), GPU_TOL, f"stress {dtype}")
+    common.gpu_stress_decays_t4096(OP, dtype, seed=8)
 
 
 @gpu
 def test_gpu_matches_cpu_torch_path():
-    xs, h0 = make_inputs(2, 300, 2, 64, 64, device="cuda", dtype=torch.float32, decay="wide", seed=9)
-    got = run(chunk_rwkv7, xs, h0, 1.0)
-    cpu = run(chunk_rwkv7_torch, [x.cpu() for x in xs], h0.cpu(), 1.0)
-    assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
+    common.gpu_matches_cpu_torch_path(OP)
 
 
 # Non-default settings, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
@@ -255,13 +204,8 @@ VARIANTS = [dict(prep_maxnreg=None), dict(prep_maxnreg=128), dict(blocked_scan=F
 
 
 @gpu
-@pytest.mark.parametrize("fields", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("fields", VARIANTS, ids=common.settings_id)
 def test_gpu_variants_match_naive(fields):
     settings = Settings(**fields)
-    xs, h0 = make_inputs(1, 4096, 2, 64, 64, device="cuda", dtype=torch.bfloat16, decay="stress", seed=10)
-    assert_close(run(chunk_rwkv7, xs, h0, 1.0, settings=settings), naive(xs, h0, 1.0), GPU_TOL, f"stress {fields}")
-    lens = [1, 17, 300, 64, 90]
-    cu = torch.tensor([0] + lens).cumsum(0).cuda()
-    xs, h0 = make_inputs(1, sum(lens), 2, 32, 128, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=11)
-    assert_close(run(chunk_rwkv7, xs, h0, 1.0, cu, settings=settings), naive(xs, h0, 1.0, cu), GPU_TOL,
-                 f"varlen K != V {fields}")
+    common.gpu_stress_decays_t4096(OP, torch.bfloat16, seed=10, settings=settings)
+    common.gpu_varlen_k_ne_v(OP, torch.bfloat16, settings=settings)
