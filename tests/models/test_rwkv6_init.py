@@ -17,35 +17,8 @@ import math
 import pytest
 import torch
 
-from flame.models import build_model, model_args_class
-
-LAYERS, HIDDEN, HEAD = 4, 128, 64
-
-
-def fresh_model(vocab: int):
-    """As the trainer builds it: on the meta device, materialized, NaN-filled, then init_weights()."""
-    args = model_args_class("rwkv6")(name="rwkv6", vocab_size=vocab, hidden_size=HIDDEN, num_layers=LAYERS,
-                                     head_dim=HEAD)
-    args.validate()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = build_model(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.init_weights()
-    return model
-
-
-def assert_orthogonal(w: torch.Tensor, gain: float, name: str) -> None:
-    """Rows (wide or square) or columns (tall) orthonormal up to `gain`: the property torch's orthogonal_ gives."""
-    w = w.double()
-    rows, cols = w.shape
-    gram = w @ w.T if rows <= cols else w.T @ w
-    eye = torch.eye(min(rows, cols), dtype=torch.float64)
-    err = (gram - gain ** 2 * eye).abs().max().item()
-    assert err < 1e-5 * max(1.0, gain ** 2), f"{name}: |W W^T - gain^2 I| = {err:.2e} (gain {gain})"
+from tests.models.rwkv_init import (HEAD, HIDDEN, LAYERS, Parameters, check_embedding_head_and_norms, check_layer,
+                                    fresh_model, layer_ratios)
 
 
 def assert_uniform(w: torch.Tensor, bound: float, name: str) -> None:
@@ -56,11 +29,7 @@ def assert_uniform(w: torch.Tensor, bound: float, name: str) -> None:
 
 def reference_vectors(layer_id: int, n_layer: int, C: int, N: int) -> dict[str, torch.Tensor]:
     """RWKV_Tmix_x060 / RWKV_CMix_x060 construction-time vectors, written element by element as RWKV-LM does."""
-    ratio_0_to_1 = layer_id / (n_layer - 1)
-    ratio_1_to_almost0 = 1.0 - (layer_id / n_layer)
-    ddd = torch.zeros(C)
-    for i in range(C):
-        ddd[i] = i / C
+    ratio_0_to_1, ratio_1_to_almost0, ddd = layer_ratios(layer_id, n_layer, C)
     out = {
         "maa_x": 1.0 - torch.pow(ddd, ratio_1_to_almost0),
         "maa_w": 1.0 - torch.pow(ddd, ratio_1_to_almost0),
@@ -83,40 +52,16 @@ def reference_vectors(layer_id: int, n_layer: int, C: int, N: int) -> dict[str, 
 
 @pytest.mark.parametrize("vocab", [300, 100], ids=["vocab>hidden", "vocab<hidden"])
 def test_init_follows_rwkv_lm(vocab):
-    model = fresh_model(vocab)
-    C, V, F = HIDDEN, vocab, int(HIDDEN * 3.5) // 32 * 32
-    params = dict(model.named_parameters())
-    checked = set()
-
-    def take(name: str) -> torch.Tensor:
-        checked.add(name)
-        return params[name].detach()
-
-    def ones_and_zeros(prefix: str) -> None:
-        assert torch.equal(take(f"{prefix}.weight"), torch.ones(C)), prefix
-        assert torch.equal(take(f"{prefix}.bias"), torch.zeros(C)), prefix
-
-    emb = take("embed.weight")
-    assert emb.abs().max() <= 1e-4 and emb.std() > 0.5e-4, "embedding: uniform in +-1e-4"
-    assert_orthogonal(take("lm_head.weight"), 0.5 * math.sqrt(V / C) if V > C else 0.5, "lm_head")
-    ones_and_zeros("embed_norm")
-    ones_and_zeros("norm")
+    model = fresh_model("rwkv6", vocab)
+    C, F = HIDDEN, int(HIDDEN * 3.5) // 32 * 32
+    params = Parameters(model)
+    take = params.take
+    check_embedding_head_and_norms(params, vocab)
 
     for i in range(LAYERS):
         p = f"layers.{i}"
-        ones_and_zeros(f"{p}.attn_norm")
-        ones_and_zeros(f"{p}.ffn_norm")
-        for name, gain in (("r_proj", 1.0), ("k_proj", 0.1), ("v_proj", 1.0), ("g_proj", 0.1)):
-            assert_orthogonal(take(f"{p}.attn.{name}.weight"), gain, f"{p} {name}")
-        assert torch.equal(take(f"{p}.attn.o_proj.weight"), torch.zeros(C, C)), f"{p} output"
-        key = take(f"{p}.ffn.key.weight")
-        assert key.shape == (F, C)
-        assert_orthogonal(key, 1.0, f"{p} ffn.key")
+        check_layer(params, i, {"r_proj": 1.0, "k_proj": 0.1, "v_proj": 1.0, "g_proj": 0.1}, F)
         assert torch.equal(take(f"{p}.ffn.receptance.weight"), torch.zeros(C, C)), f"{p} ffn.receptance"
-        assert torch.equal(take(f"{p}.ffn.value.weight"), torch.zeros(C, F)), f"{p} ffn.value"
-        ln_x = ((i + 1) / LAYERS) ** 0.7
-        assert torch.allclose(take(f"{p}.attn.ln_x.weight"), torch.full((C,), ln_x), rtol=0, atol=1e-7), p
-        assert torch.equal(take(f"{p}.attn.ln_x.bias"), torch.zeros(C)), p
         assert model.layers[i].attn.ln_x.eps == 64e-5   # 1e-5 * head_size_divisor (8) ** 2
 
         ref = reference_vectors(i, LAYERS, C, HEAD)
@@ -137,5 +82,4 @@ def test_init_follows_rwkv_lm(vocab):
         assert torch.equal(w1, torch.zeros_like(w1)), f"{p} time_decay_w1"
         assert_uniform(w2, 0.01, f"{p} time_decay_w2")
 
-    unchecked = set(params) - checked
-    assert not unchecked, f"parameters this test does not check: {sorted(unchecked)}"
+    params.assert_all_checked()

@@ -13,35 +13,8 @@ import math
 import pytest
 import torch
 
-from flame.models import build_model, model_args_class
-
-LAYERS, HIDDEN, HEAD = 4, 128, 64
-
-
-def fresh_model(vocab: int):
-    """As the trainer builds it: on the meta device, materialized, NaN-filled, then init_weights()."""
-    args = model_args_class("rwkv7")(name="rwkv7", vocab_size=vocab, hidden_size=HIDDEN, num_layers=LAYERS,
-                                     head_dim=HEAD)
-    args.validate()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = build_model(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.init_weights()
-    return model
-
-
-def assert_orthogonal(w: torch.Tensor, gain: float, name: str) -> None:
-    """Rows (wide or square) or columns (tall) orthonormal up to `gain`: the property torch's orthogonal_ gives."""
-    w = w.double()
-    rows, cols = w.shape
-    gram = w @ w.T if rows <= cols else w.T @ w
-    eye = torch.eye(min(rows, cols), dtype=torch.float64)
-    err = (gram - gain ** 2 * eye).abs().max().item()
-    assert err < 1e-5 * max(1.0, gain ** 2), f"{name}: |W W^T - gain^2 I| = {err:.2e} (gain {gain})"
+from tests.models.rwkv_init import (HEAD, HIDDEN, LAYERS, Parameters, assert_orthogonal, check_embedding_head_and_norms,
+                                    check_layer, fresh_model, layer_ratios)
 
 
 def lora_width(C: int, factor: float) -> int:
@@ -50,11 +23,7 @@ def lora_width(C: int, factor: float) -> int:
 
 def reference_vectors(layer_id: int, n_layer: int, C: int, N: int) -> dict[str, torch.Tensor]:
     """RWKV_Tmix_x070 / RWKV_CMix_x070 construction-time vectors, written element by element as RWKV-LM does."""
-    ratio_0_to_1 = layer_id / (n_layer - 1)
-    ratio_1_to_almost0 = 1.0 - (layer_id / n_layer)
-    ddd = torch.zeros(C)
-    for i in range(C):
-        ddd[i] = i / C
+    ratio_0_to_1, ratio_1_to_almost0, ddd = layer_ratios(layer_id, n_layer, C)
     out = {}
     for key, power in (("x_r", 0.2), ("x_w", 0.9), ("x_k", 0.7), ("x_v", 0.7), ("x_a", 0.9), ("x_g", 0.2)):
         out[key] = 1.0 - torch.pow(ddd, power * ratio_1_to_almost0)
@@ -81,40 +50,15 @@ def ortho_init_gain(shape: tuple[int, int], scale: float) -> float:
 
 @pytest.mark.parametrize("vocab", [300, 100], ids=["vocab>hidden", "vocab<hidden"])
 def test_init_follows_rwkv_lm(vocab):
-    model = fresh_model(vocab)
-    C, V = HIDDEN, vocab
-    checked = set()
-
-    def take(name: str) -> torch.Tensor:
-        checked.add(name)
-        return dict(model.named_parameters())[name].detach()
-
-    def ones_and_zeros(prefix: str) -> None:
-        assert torch.equal(take(f"{prefix}.weight"), torch.ones(C)), prefix
-        assert torch.equal(take(f"{prefix}.bias"), torch.zeros(C)), prefix
-
-    emb = take("embed.weight")
-    assert emb.abs().max() <= 1e-4 and emb.std() > 0.5e-4, "embedding: uniform in +-1e-4"
-    head_gain = 0.5 * math.sqrt(V / C) if V > C else 0.5
-    assert_orthogonal(take("lm_head.weight"), head_gain, "lm_head")
-    ones_and_zeros("embed_norm")
-    ones_and_zeros("norm")
+    model = fresh_model("rwkv7", vocab)
+    C = HIDDEN
+    params = Parameters(model)
+    take = params.take
+    check_embedding_head_and_norms(params, vocab)
 
     for i in range(LAYERS):
         p = f"layers.{i}"
-        ones_and_zeros(f"{p}.attn_norm")
-        ones_and_zeros(f"{p}.ffn_norm")
-        assert_orthogonal(take(f"{p}.attn.r_proj.weight"), 1.0, f"{p} receptance")
-        assert_orthogonal(take(f"{p}.attn.k_proj.weight"), 0.1, f"{p} key")
-        assert_orthogonal(take(f"{p}.attn.v_proj.weight"), 1.0, f"{p} value")
-        assert torch.equal(take(f"{p}.attn.o_proj.weight"), torch.zeros(C, C)), f"{p} output"
-        key = take(f"{p}.ffn.key.weight")
-        assert key.shape == (4 * C, C)
-        assert_orthogonal(key, 1.0, f"{p} ffn.key")
-        assert torch.equal(take(f"{p}.ffn.value.weight"), torch.zeros(C, 4 * C)), f"{p} ffn.value"
-        ln_x = ((i + 1) / LAYERS) ** 0.7
-        assert torch.allclose(take(f"{p}.attn.ln_x.weight"), torch.full((C,), ln_x), rtol=0, atol=1e-7), p
-        assert torch.equal(take(f"{p}.attn.ln_x.bias"), torch.zeros(C)), p
+        check_layer(params, i, {"r_proj": 1.0, "k_proj": 0.1, "v_proj": 1.0}, 4 * C)
 
         ref = reference_vectors(i, LAYERS, C, HEAD)
         lerp = take(f"{p}.attn.lerp")
@@ -135,5 +79,4 @@ def test_init_follows_rwkv_lm(vocab):
         if i == 0:
             assert not hasattr(model.layers[0].attn, "v0"), "layer 0 supplies v_first: no value-residual path"
 
-    unchecked = {n for n, _ in model.named_parameters()} - checked
-    assert not unchecked, f"parameters this test does not check: {sorted(unchecked)}"
+    params.assert_all_checked()
