@@ -12,8 +12,9 @@ import os
 import pytest
 import torch
 
-from flame.convert import main
 from flame.export import load_exported, read_export
+from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
+                                   random_rwkv_lm_checkpoint, relative, rwkv_package_settings)
 
 LAYERS, WIDTH, HEAD, VOCAB = 2, 128, 64, 300
 MIX_RANK, DECAY_RANK, FFN = 16, 24, 448   # ranks unlike RWKV-LM's defaults, so the widths must come from the shapes
@@ -22,39 +23,28 @@ MIX_RANK, DECAY_RANK, FFN = 16, 24, 448   # ranks unlike RWKV-LM's defaults, so 
 def rwkv_lm_checkpoint(layers=LAYERS, width=WIDTH, head=HEAD, vocab=VOCAB, seed=0) -> dict:
     """Random tensors under RWKV-LM's x060 names and shapes, every one nonzero and of a scale where every path
     moves the logits (decays spread over exp(-exp(-2..0)), a bonus and gates away from their init)."""
-    g = torch.Generator().manual_seed(seed)
     C, H = width, width // head
 
-    def normal(*shape, std=1.0, mean=0.0):
-        return mean + std * torch.randn(*shape, generator=g)
-
-    def norm(prefix):
-        return {f"{prefix}.weight": normal(C, std=0.1, mean=1.0), f"{prefix}.bias": normal(C, std=0.1)}
-
-    sd = {"emb.weight": normal(vocab, C), **norm("blocks.0.ln0")}
-    for i in range(layers):
-        b, att, ffn = f"blocks.{i}.", f"blocks.{i}.att.", f"blocks.{i}.ffn."
-        sd.update(norm(b + "ln1"))
-        sd.update(norm(b + "ln2"))
-        for x in ("x", "w", "k", "v", "r", "g"):
-            sd[f"{att}time_maa_{x}"] = torch.rand(1, 1, C, generator=g)
-        sd[att + "time_maa_w1"] = normal(C, 5 * MIX_RANK, std=0.1)
-        sd[att + "time_maa_w2"] = normal(5, MIX_RANK, C, std=0.1)
-        sd[att + "time_decay"] = normal(1, 1, C, std=0.5, mean=-1.0)
-        sd[att + "time_decay_w1"] = normal(C, DECAY_RANK, std=0.1)
-        sd[att + "time_decay_w2"] = normal(DECAY_RANK, C, std=0.1)
-        sd[att + "time_faaaa"] = normal(H, head, std=0.5)
+    def block(t, i):
+        att, ffn = f"blocks.{i}.att.", f"blocks.{i}.ffn."
+        sd = {f"{att}time_maa_{x}": t.rand(1, 1, C) for x in ("x", "w", "k", "v", "r", "g")}
+        sd[att + "time_maa_w1"] = t.normal(C, 5 * MIX_RANK, std=0.1)
+        sd[att + "time_maa_w2"] = t.normal(5, MIX_RANK, C, std=0.1)
+        sd[att + "time_decay"] = t.normal(1, 1, C, std=0.5, mean=-1.0)
+        sd[att + "time_decay_w1"] = t.normal(C, DECAY_RANK, std=0.1)
+        sd[att + "time_decay_w2"] = t.normal(DECAY_RANK, C, std=0.1)
+        sd[att + "time_faaaa"] = t.normal(H, head, std=0.5)
         for name in ("receptance", "key", "value", "output", "gate"):
-            sd[f"{att}{name}.weight"] = normal(C, C, std=C ** -0.5)
-        sd.update(norm(att + "ln_x"))
-        sd[ffn + "time_maa_k"] = torch.rand(1, 1, C, generator=g)
-        sd[ffn + "time_maa_r"] = torch.rand(1, 1, C, generator=g)
-        sd[ffn + "key.weight"] = normal(FFN, C, std=C ** -0.5)
-        sd[ffn + "receptance.weight"] = normal(C, C, std=C ** -0.5)
-        sd[ffn + "value.weight"] = normal(C, FFN, std=FFN ** -0.5)
-    sd.update(norm("ln_out"))
-    sd["head.weight"] = normal(vocab, C, std=C ** -0.5)
-    return sd
+            sd[f"{att}{name}.weight"] = t.normal(C, C, std=C ** -0.5)
+        sd.update(t.norm(att + "ln_x"))
+        sd[ffn + "time_maa_k"] = t.rand(1, 1, C)
+        sd[ffn + "time_maa_r"] = t.rand(1, 1, C)
+        sd[ffn + "key.weight"] = t.normal(FFN, C, std=C ** -0.5)
+        sd[ffn + "receptance.weight"] = t.normal(C, C, std=C ** -0.5)
+        sd[ffn + "value.weight"] = t.normal(C, FFN, std=FFN ** -0.5)
+        return sd
+
+    return random_rwkv_lm_checkpoint(layers, width, vocab, seed, block)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,22 +56,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def convert(*argv) -> None:
-    main([str(a) for a in argv])
-
-
-@pytest.fixture(scope="module")
-def pth(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rwkv_lm") / "model.pth"
-    torch.save(rwkv_lm_checkpoint(), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def exported(pth, tmp_path_factory):
-    out = tmp_path_factory.mktemp("flame") / "export"
-    convert(pth, out)
-    return out
+pth, exported = checkpoint_fixtures(rwkv_lm_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -92,20 +67,11 @@ def rwkv_package(pth):
     pytest.importorskip("rwkv")
     import rwkv
 
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    env = {k: os.environ.get(k) for k in ("RWKV_V7_ON", "RWKV_JIT_ON")}
-    os.environ.update(RWKV_V7_ON="0", RWKV_JIT_ON="0")
-    os.environ.setdefault("RWKV_CUDA_ON", "0")    # read at every forward
-    try:
+    with rwkv_package_settings(v7=False):
         spec = importlib.util.spec_from_file_location("rwkv_model_x060", os.path.join(rwkv.__path__[0], "model.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         model = module.RWKV(str(pth.with_suffix("")), "cpu fp32", verbose=False)   # it appends .pth itself
-    finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-         torch.backends.cuda.matmul.allow_tf32) = saved
-        for k, v in env.items():
-            os.environ.pop(k) if v is None else os.environ.update({k: v})
     assert model.version == 6.0
     return model
 
@@ -117,10 +83,6 @@ def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
         logits, state = model.forward([t], state)
         out.append(logits)
     return torch.stack(out)
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package):
@@ -143,16 +105,7 @@ def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package
 
 
 def test_flame_to_rwkv_lm_and_back_is_bit_exact(pth, exported, tmp_path):
-    out = tmp_path / "again.pth"
-    convert(exported, out, "--to", "rwkv-lm")
-    original, written = torch.load(pth), torch.load(out)
-    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
-    assert all(torch.equal(written[k], original[k]) and written[k].dtype == torch.float32 for k in original)
-    back = tmp_path / "back"
-    convert(out, back)
-    a, b = read_export(exported), read_export(back)
-    assert a.args == b.args
-    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    assert_rwkv_lm_round_trip(pth, exported, tmp_path)
 
 
 def test_bad_input_is_one_line(pth, exported, tmp_path, capsys):
@@ -205,9 +158,7 @@ def test_fla_folder_gives_flame_logits_and_round_trips(exported, tmp_path):
         got = load_exported(exported).eval()(ids)
     assert relative(got, want) < 1e-4
     convert(tmp_path / "fla", tmp_path / "back")
-    a, b = read_export(exported), read_export(tmp_path / "back")
-    assert a.args == b.args
-    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    assert_same_export(exported, tmp_path / "back")
 
 
 def test_fla_made_folder_converts_into_flame(tmp_path):

@@ -10,10 +10,12 @@ import os
 import pytest
 import torch
 
-from flame.convert import load_init_weights, main
+from flame.convert import load_init_weights
 from flame.data.tokenizer import open_tokenizer
 from flame.export import WEIGHTS, load_exported, read_export
 from flame.models import build_model
+from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
+                                   random_rwkv_lm_checkpoint, relative, rwkv_package_settings)
 from tests.helpers import REPO, fla_logits_error, read_checkpoint, run_train, write_config
 
 LAYERS, WIDTH, HEAD, VOCAB = 3, 128, 64, 300
@@ -24,38 +26,28 @@ LERP = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 def rwkv_lm_checkpoint(layers=LAYERS, width=WIDTH, head=HEAD, vocab=VOCAB, ranks=RANKS, seed=0) -> dict:
     """Random tensors under RWKV-LM's x070 names and shapes (as its RWKV class creates them, v0/v1/v2 in layer 0
     included), every one nonzero and of a scale where every path moves the logits."""
-    g = torch.Generator().manual_seed(seed)
     C, H = width, width // head
 
-    def normal(*shape, std=1.0, mean=0.0):
-        return mean + std * torch.randn(*shape, generator=g)
-
-    def norm(prefix):
-        return {f"{prefix}.weight": normal(C, std=0.1, mean=1.0), f"{prefix}.bias": normal(C, std=0.1)}
-
-    sd = {"emb.weight": normal(vocab, C), **norm("blocks.0.ln0")}
-    for i in range(layers):
+    def block(t, i):
         b, att = f"blocks.{i}.", f"blocks.{i}.att."
-        sd.update(norm(b + "ln1"))
-        sd.update(norm(b + "ln2"))
-        sd.update({att + name: torch.rand(1, 1, C, generator=g) for name in LERP})
+        sd = {att + name: t.rand(1, 1, C) for name in LERP}
         for x, mean in (("w", -1.0), ("a", 0.0), ("v", 0.0)):
-            sd[att + x + "0"] = normal(1, 1, C, std=0.5, mean=mean)
+            sd[att + x + "0"] = t.normal(1, 1, C, std=0.5, mean=mean)
         for x, r in ranks.items():
-            sd[att + x + "1"] = normal(C, r, std=0.1)
-            sd[att + x + "2"] = normal(r, C, std=0.1)
-        sd[att + "k_k"] = normal(1, 1, C, std=0.1, mean=0.7)
-        sd[att + "k_a"] = normal(1, 1, C, std=0.1, mean=1.0)
-        sd[att + "r_k"] = normal(H, head, std=0.1)
+            sd[att + x + "1"] = t.normal(C, r, std=0.1)
+            sd[att + x + "2"] = t.normal(r, C, std=0.1)
+        sd[att + "k_k"] = t.normal(1, 1, C, std=0.1, mean=0.7)
+        sd[att + "k_a"] = t.normal(1, 1, C, std=0.1, mean=1.0)
+        sd[att + "r_k"] = t.normal(H, head, std=0.1)
         for name in ("receptance", "key", "value", "output"):
-            sd[f"{att}{name}.weight"] = normal(C, C, std=C ** -0.5)
-        sd.update(norm(att + "ln_x"))
-        sd[b + "ffn.x_k"] = torch.rand(1, 1, C, generator=g)
-        sd[b + "ffn.key.weight"] = normal(4 * C, C, std=C ** -0.5)
-        sd[b + "ffn.value.weight"] = normal(C, 4 * C, std=(4 * C) ** -0.5)
-    sd.update(norm("ln_out"))
-    sd["head.weight"] = normal(vocab, C, std=C ** -0.5)
-    return sd
+            sd[f"{att}{name}.weight"] = t.normal(C, C, std=C ** -0.5)
+        sd.update(t.norm(att + "ln_x"))
+        sd[b + "ffn.x_k"] = t.rand(1, 1, C)
+        sd[b + "ffn.key.weight"] = t.normal(4 * C, C, std=C ** -0.5)
+        sd[b + "ffn.value.weight"] = t.normal(C, 4 * C, std=(4 * C) ** -0.5)
+        return sd
+
+    return random_rwkv_lm_checkpoint(layers, width, vocab, seed, block)
 
 
 def fla_name_map(layers: int) -> dict[str, tuple[str, str]]:
@@ -93,23 +85,7 @@ def held_by_fla(ours: dict, how: str, name: str) -> torch.Tensor:
     return t.t() if how == "t" else t
 
 
-def convert(*argv) -> None:
-    main([str(a) for a in argv])
-
-
-@pytest.fixture(scope="module")
-def pth(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rwkv_lm") / "model.pth"
-    torch.save(rwkv_lm_checkpoint(), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def exported(pth, tmp_path_factory):
-    """The .pth converted into a flame export folder."""
-    out = tmp_path_factory.mktemp("flame") / "export"
-    convert(pth, out)
-    return out
+pth, exported = checkpoint_fixtures(rwkv_lm_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -119,20 +95,11 @@ def rwkv_package(pth):
     pytest.importorskip("rwkv")
     import importlib
 
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-             torch.backends.cuda.matmul.allow_tf32)
-    autocast = torch._C._jit_set_autocast_mode(True)
-    os.environ.update(RWKV_V7_ON="1", RWKV_JIT_ON="0", RWKV_CUDA_ON="0")
-    try:
+    with rwkv_package_settings(v7=True):
         import rwkv.model
         if not hasattr(rwkv.model, "RWKV_x070"):   # imported before without RWKV-7
             importlib.reload(rwkv.model)
-        model = rwkv.model.RWKV_x070(str(pth.with_suffix("")), "cpu fp32")   # it appends .pth itself
-    finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
-         torch.backends.cuda.matmul.allow_tf32) = saved
-        torch._C._jit_set_autocast_mode(autocast)
-    return model
+        return rwkv.model.RWKV_x070(str(pth.with_suffix("")), "cpu fp32")   # it appends .pth itself
 
 
 def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -144,10 +111,6 @@ def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
             logits, state = model.forward(t, state)
             out.append(logits)
     return torch.stack(out)
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package):
@@ -168,19 +131,8 @@ def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package
 
 
 def test_flame_to_rwkv_lm_and_back_is_bit_exact(pth, exported, tmp_path):
-    out = tmp_path / "again.pth"
-    convert(exported, out, "--to", "rwkv-lm")
-    original, written = torch.load(pth), torch.load(out)
-    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
     unused = {"blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2"}   # RWKV-LM's, never read
-    assert all(torch.equal(written[k], original[k]) for k in original if k not in unused)
-    assert all(written[k].dtype == torch.float32 and not written[k].any() for k in unused)
-
-    back = tmp_path / "back"
-    convert(out, back)
-    a, b = read_export(exported), read_export(back)
-    assert a.args == b.args
-    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    assert_rwkv_lm_round_trip(pth, exported, tmp_path, unused)
 
 
 def test_fla_folder_loads_in_fla_and_round_trips(exported, tmp_path):
@@ -206,11 +158,8 @@ def test_fla_folder_loads_in_fla_and_round_trips(exported, tmp_path):
     config.save_pretrained(tmp_path / "resaved")
     assert written == json.loads((tmp_path / "resaved" / "config.json").read_text())
 
-    back = tmp_path / "back"
-    convert(out, back)
-    a, b = read_export(exported), read_export(back)
-    assert a.args == b.args
-    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    convert(out, tmp_path / "back")
+    assert_same_export(exported, tmp_path / "back")
 
 
 def test_fla_made_folder_converts_into_flame(tmp_path):
