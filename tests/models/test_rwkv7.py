@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flame.models import build_model, model_args_class
-from tests.helpers import REPO, env, read_metrics
+from tests.helpers import REPO, assert_gpu_path_matches_cpu_path, env, read_metrics
 
 
 def tiny(vocab=512, hidden=128, layers=2, seed=0):
@@ -56,23 +56,7 @@ def test_gpu_kernel_path_matches_cpu_path():
     for block in model.layers:
         block.attn.o_proj.weight.data.normal_(std=0.02)
         block.ffn.value.weight.data.normal_(std=0.02)
-    ids = torch.randint(0, 512, (2, 300))
-    cpu_logits = model(ids)
-    cpu_loss = model(ids, labels=ids)
-    cpu_loss.backward()
-    cpu_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    model.cuda()
-    gpu_logits = model(ids.cuda())
-    gpu_loss = model(ids.cuda(), labels=ids.cuda())
-    gpu_loss.backward()
-    err = ((gpu_logits.cpu() - cpu_logits).norm() / cpu_logits.norm()).item()
-    assert err < 2e-3, err
-    assert abs(gpu_loss.item() - cpu_loss.item()) < 1e-3 * abs(cpu_loss.item())
-    for n, p in model.named_parameters():
-        g = cpu_grads[n]
-        rel = ((p.grad.cpu() - g).norm() / g.norm().clamp_min(1e-12)).item()
-        assert rel < 2e-2, (n, rel)
+    assert_gpu_path_matches_cpu_path(model, torch.randint(0, 512, (2, 300)))
 
 
 def test_loss_falls_on_sample_data_through_launch(tmp_path):
