@@ -198,13 +198,7 @@ class RWKV6(RWKVModel):
     decay_bias = ".attn.decay"   # RWKV-LM's time_decay: 2x lr
 
     def __init__(self, args: RWKV6Args):
-        super().__init__()
-        self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.embed_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)   # RWKV's ln0, before layer 0
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
-        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Block)
 
     def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None):
         for i, block in enumerate(self.layers):

@@ -221,13 +221,7 @@ class RWKV7(RWKVModel):
     decay_bias = ".attn.w0"   # RWKV-LM's w0: 2x lr
 
     def __init__(self, args: RWKV7Args):
-        super().__init__()
-        self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.embed_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)   # RWKV's ln0, before layer 0
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
-        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Block)
 
     def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None):
         # v_first (layer 0's value) is per token: recomputed at every step, never cached

@@ -89,11 +89,20 @@ class RWKVCache:
 
 class RWKVModel(LanguageModel):
     """What RWKV-6 and RWKV-7 share around their blocks: RWKV-LM's init of the embedding, head and norms, the
-    packed-document token-shift reset, cached inference and RWKV-LM's optimizer groups. A subclass sets `embed`,
-    `embed_norm` (RWKV's ln0), `layers` (blocks with reset_parameters on their parts), `norm`, `lm_head`,
-    `decay_bias` (the name ending of the parameter RWKV-LM trains at 2x lr) and runs its blocks in `run_blocks`."""
+    packed-document token-shift reset, cached inference and RWKV-LM's optimizer groups. A subclass passes its
+    block class (blocks with reset_parameters on their parts), sets `decay_bias` (the name ending of the parameter
+    RWKV-LM trains at 2x lr) and runs its blocks in `run_blocks`."""
 
     decay_bias: str
+
+    def __init__(self, args, block: type):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)   # RWKV's ln0, before layer 0
+        self.layers = nn.ModuleList(block(args, i) for i in range(args.num_layers))
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None) -> torch.Tensor:
         raise NotImplementedError
