@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flame.convert import main
-from flame.export import read_export
+from flame.export import load_exported, read_export
 
 
 def convert(*argv) -> None:
@@ -71,6 +71,17 @@ def checkpoint_fixtures(make_checkpoint):
         return out
 
     return pth, exported
+
+
+def flame_logits_one_and_two_documents(exported, vocab: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """64 random tokens (seed 1) and the exported model's logits [64, vocab] on them: as one document, and packed as
+    two documents (23 + 41 tokens) in one row."""
+    model = load_exported(exported).eval()
+    ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        single = model(ids)[0]
+        packed = model(ids, cu_seqlens=torch.tensor([0, 23, 64]))[0]
+    return ids[0].tolist(), single, packed
 
 
 def assert_same_export(a_dir, b_dir) -> None:

@@ -14,7 +14,8 @@ import torch
 
 from flame.export import load_exported, read_export
 from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
-                                   random_rwkv_lm_checkpoint, relative, rwkv_package_settings)
+                                   flame_logits_one_and_two_documents, random_rwkv_lm_checkpoint, relative,
+                                   rwkv_package_settings)
 
 LAYERS, WIDTH, HEAD, VOCAB = 2, 128, 64, 300
 MIX_RANK, DECAY_RANK, FFN = 16, 24, 448   # ranks unlike RWKV-LM's defaults, so the widths must come from the shapes
@@ -86,12 +87,7 @@ def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package):
-    model = load_exported(exported).eval()
-    ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        single = model(ids)[0]
-        packed = model(ids, cu_seqlens=torch.tensor([0, 23, 64]))[0]   # two documents in one row
-    tokens = ids[0].tolist()
+    tokens, single, packed = flame_logits_one_and_two_documents(exported, VOCAB)
     first = rnn_logits(rwkv_package, tokens[:23])                       # RNN mode, token by token
     whole, _ = rwkv_package.forward(tokens, None, full_output=True)      # sequence mode
     second, _ = rwkv_package.forward(tokens[23:], None, full_output=True)

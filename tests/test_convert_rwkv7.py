@@ -12,10 +12,11 @@ import torch
 
 from flame.convert import load_init_weights
 from flame.data.tokenizer import open_tokenizer
-from flame.export import WEIGHTS, load_exported, read_export
+from flame.export import WEIGHTS, read_export
 from flame.models import build_model
 from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
-                                   random_rwkv_lm_checkpoint, relative, rwkv_package_settings)
+                                   flame_logits_one_and_two_documents, random_rwkv_lm_checkpoint, relative,
+                                   rwkv_package_settings)
 from tests.helpers import REPO, fla_logits_error, read_checkpoint, run_train, write_config
 
 LAYERS, WIDTH, HEAD, VOCAB = 3, 128, 64, 300
@@ -114,12 +115,7 @@ def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package):
-    model = load_exported(exported).eval()
-    ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        single = model(ids)[0]
-        packed = model(ids, cu_seqlens=torch.tensor([0, 23, 64]))[0]   # two documents in one row
-    tokens = ids[0].tolist()
+    tokens, single, packed = flame_logits_one_and_two_documents(exported, VOCAB)
     assert relative(single, rnn_logits(rwkv_package, tokens)) < 1e-4
     apart = torch.cat([rnn_logits(rwkv_package, tokens[:23]), rnn_logits(rwkv_package, tokens[23:])])
     assert relative(packed, apart) < 1e-4
