@@ -57,8 +57,8 @@ def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, d
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
         r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT - wT)
-        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - gT)
+        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(gT - wT, 0.))
+        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(gC[:, None] - gT, 0.))
         doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
@@ -147,7 +147,7 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
     wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)
     gC = tl.sum(wT, axis=1)
-    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gC[:, None] - tl.cumsum(wT, axis=1))
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(gC[:, None] - tl.cumsum(wT, axis=1), 0.))
     # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)
     Ak2 = tl.where(lo[:, None], scale, 1.) * (
         load_rows(Ark, tok2, i_h, H, BT, rows, m_t2 & lo, rows < BT)
@@ -181,10 +181,10 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     Y = load_pair_raw(b, k, tok2, lo, i_h, H, K, ck, m_t2, m_k)
     gT = tl.cumsum(wT, axis=1)
     # x rows read g (r, inclusive) or ge (a, exclusive); y columns and the chunk end read -g
-    to_endT = tl.exp(gC[:, None] - gT)
+    to_endT = tl.exp(tl.minimum(gC[:, None] - gT, 0.))
     d_y *= pair_cols(to_endT, to_endT, BK, BT)
     d_gC = d_gC * tl.exp(gC) + tl.sum(Y.to(tl.float32) * d_y, axis=1)
-    d_x *= pair_cols(scale * tl.exp(gT), tl.exp(gT - wT), BK, BT)
+    d_x *= pair_cols(scale * tl.exp(gT), tl.exp(tl.minimum(gT - wT, 0.)), BK, BT)
     # the diagonal (decay 1): dr_t += dA_rb[t,t] b_t + dA_rk[t,t] k_t; db_t, dk_t += the same entries times r_t
     diag = lo[:, None] & (c2[:, None] == t2[None, :])
     Dg = tl.where(diag, dA, 0.)

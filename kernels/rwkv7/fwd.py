@@ -176,7 +176,7 @@ def _fwd_scan(r, wf, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h
         wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
-        to_endT = tl.exp(gC[:, None] - gT)
+        to_endT = tl.exp(tl.minimum(gC[:, None] - gT, 0.))
         b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
         St = tl.trans(S)
