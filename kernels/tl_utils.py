@@ -1,13 +1,13 @@
-"""Triton helpers shared by the chunked kernels (rwkv7, gsa): row loads and stores of packed [T, H, D] tensors,
-the chunk and scan prologues, the halving levels of the pairwise decays, and the one way a decay factor is ever
-formed (`decay_on`)."""
+"""Triton helpers shared by the chunked kernels (rwkv7, rwkv6, gsa): row loads and stores of packed [T, H, D]
+tensors, the chunk and scan prologues, the halving levels of the pairwise decays, sums of log decays over spans of
+a chunk as products (`run_sums`), and the masked exp of a decay (`decay_on`)."""
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from kernels.utils import is_interpreting
 
 
 @triton.jit
@@ -131,7 +131,7 @@ def half_cumsum_t(xT, BD: tl.constexpr, BT: tl.constexpr, HALF: tl.constexpr, RE
 
 
 # Under Triton's interpreter bf16 casts truncate and bf16 products come out wrong; kernels take an fp32 path there.
-INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETED: tl.constexpr = tl.constexpr(is_interpreting())
 
 
 @triton.jit

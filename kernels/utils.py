@@ -71,3 +71,21 @@ def _equal_rows_tables(B: int, T: int, chunk: int, device: torch.device):
     index = torch.stack((c // per_seq, c % per_seq), dim=1) if per_seq else c.new_zeros(0, 2)
     offsets = torch.arange(B + 1, dtype=torch.int32, device=device) * per_seq
     return offsets, index, chunk_count(B, chunk, B * T, T)
+
+
+def per_sequence(B: int, cu_seqlens: torch.Tensor | None, run_one):
+    """The PyTorch chunked paths' walk over sequences: run_one(rows, tokens), two slices picking one sequence (or all
+    B rows at once when cu_seqlens is None; else B == 1 and cu_seqlens packs the sequences along T), returns
+    (o, *final states); their concatenation: o along the tokens, each state along the sequences."""
+    if cu_seqlens is None:
+        spans = [(slice(None), slice(None))]
+    else:
+        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+        cu = cu_seqlens.tolist()
+        spans = [(slice(n, n + 1), slice(cu[n], cu[n + 1])) for n in range(len(cu) - 1)]
+    results = [run_one(rows, tokens) for rows, tokens in spans]
+    return tuple(torch.cat(parts, dim=1 if i == 0 else 0) for i, parts in enumerate(zip(*results)))
+
+
+def sequence_count(B: int, cu_seqlens: torch.Tensor | None) -> int:
+    return B if cu_seqlens is None else cu_seqlens.numel() - 1

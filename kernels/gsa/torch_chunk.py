@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.utils import per_sequence, sequence_count
+
 
 def _pair_decay(g):
     """D[..., t, s, m] = exp(sum_{s<j<=t} g[j, m]) for s <= t, else 0. g: [..., C, M].
@@ -73,22 +75,11 @@ def chunk_gsa_torch(q, k, v, s, g, scale: float | None = None, initial_state=Non
     scale = K ** -0.5 if scale is None else scale
     dtype = v.dtype
     q, k, v, s, g = (x.to(compute_dtype) for x in (q, k, v, s, g))
-    if cu_seqlens is None:
-        bounds, n_seq = [(slice(None), slice(None))], B
-    else:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-        cu = cu_seqlens.tolist()
-        bounds, n_seq = [(slice(n, n + 1), slice(cu[n], cu[n + 1])) for n in range(len(cu) - 1)], len(cu) - 1
     if initial_state is None:
+        n_seq = sequence_count(B, cu_seqlens)
         hk0, hv0 = q.new_zeros(n_seq, H, K, M), q.new_zeros(n_seq, H, M, V)
     else:
         hk0, hv0 = (x.to(compute_dtype) for x in initial_state)
-    outs, hks, hvs = [], [], []
-    for seqs, span in bounds:
-        o, hk, hv = _chunk_one(q[:, span], k[:, span], v[:, span], s[:, span], g[:, span], scale,
-                               hk0[seqs], hv0[seqs], chunk_size)
-        outs.append(o)
-        hks.append(hk)
-        hvs.append(hv)
-    o = torch.cat(outs, dim=1).to(dtype)
-    return o, ((torch.cat(hks), torch.cat(hvs)) if output_final_state else None)
+    o, hk, hv = per_sequence(B, cu_seqlens, lambda rows, span: _chunk_one(
+        q[:, span], k[:, span], v[:, span], s[:, span], g[:, span], scale, hk0[rows], hv0[rows], chunk_size))
+    return o.to(dtype), ((hk, hv) if output_final_state else None)

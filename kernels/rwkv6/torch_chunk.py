@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.utils import per_sequence, sequence_count
+
 
 def _chunk_one(r, k, v, w, u, scale, s0, C):
     """One sequence (or equal-length batch). Inputs [B, T, H, *] and u [H, K] in the compute dtype; s0 [B, H, K, V]."""
@@ -52,19 +54,8 @@ def chunk_rwkv6_torch(r, k, v, w, u, scale: float | None = None, initial_state=N
     scale = K ** -0.5 if scale is None else scale
     dtype = v.dtype
     r, k, v, w, u = (x.to(compute_dtype) for x in (r, k, v, w, u))
-    if cu_seqlens is None:
-        bounds, n_seq = [(slice(None), slice(None))], B
-    else:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-        cu = cu_seqlens.tolist()
-        bounds, n_seq = [(slice(n, n + 1), slice(cu[n], cu[n + 1])) for n in range(len(cu) - 1)], len(cu) - 1
     if initial_state is None:
-        initial_state = r.new_zeros(n_seq, H, K, V)
-    outs, finals = [], []
-    for seqs, span in bounds:
-        o, s = _chunk_one(r[:, span], k[:, span], v[:, span], w[:, span], u, scale,
-                          initial_state[seqs].to(compute_dtype), chunk_size)
-        outs.append(o)
-        finals.append(s)
-    o = torch.cat(outs, dim=1).to(dtype)
-    return o, (torch.cat(finals, dim=0) if output_final_state else None)
+        initial_state = r.new_zeros(sequence_count(B, cu_seqlens), H, K, V)
+    o, final = per_sequence(B, cu_seqlens, lambda rows, span: _chunk_one(
+        r[:, span], k[:, span], v[:, span], w[:, span], u, scale, initial_state[rows].to(compute_dtype), chunk_size))
+    return o.to(dtype), (final if output_final_state else None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.utils import per_sequence, sequence_count
+
 
 def _pairwise(x, gx, y, gy, mask):
     """A[t, s] = sum_k x[t, k] y[s, k] exp(gx[t, k] - gy[s, k]) on the mask, 0 elsewhere. x, y: [..., C, K]."""
@@ -65,19 +67,9 @@ def chunk_rwkv7_torch(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, 
     V = v.shape[-1]
     dtype = v.dtype
     r, w, k, v, a, b = (x.to(compute_dtype) for x in (r, w, k, v, a, b))
-    if cu_seqlens is None:
-        bounds, n_seq = [(slice(None), slice(None))], B
-    else:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-        cu = cu_seqlens.tolist()
-        bounds, n_seq = [(slice(n, n + 1), slice(cu[n], cu[n + 1])) for n in range(len(cu) - 1)], len(cu) - 1
     if initial_state is None:
-        initial_state = r.new_zeros(n_seq, H, K, V)
-    outs, finals = [], []
-    for seqs, span in bounds:
-        o, s = _chunk_one(r[:, span], w[:, span], k[:, span], v[:, span], a[:, span], b[:, span], scale,
-                          initial_state[seqs].to(compute_dtype), chunk_size)
-        outs.append(o)
-        finals.append(s)
-    o = torch.cat(outs, dim=1).to(dtype)
-    return o, (torch.cat(finals, dim=0) if output_final_state else None)
+        initial_state = r.new_zeros(sequence_count(B, cu_seqlens), H, K, V)
+    o, final = per_sequence(B, cu_seqlens, lambda rows, span: _chunk_one(
+        r[:, span], w[:, span], k[:, span], v[:, span], a[:, span], b[:, span], scale,
+        initial_state[rows].to(compute_dtype), chunk_size))
+    return o.to(dtype), (final if output_final_state else None)
