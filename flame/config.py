@@ -210,6 +210,26 @@ class ValidationConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """Trace a few whole training steps with the PyTorch profiler (flame/profiling.py)."""
+
+    enable: bool = False
+    """Write {dump_folder}/profile/step-<first>-<last>-rank<R>.json.gz (Chrome trace) and .txt (where the time
+    went: wall time, device busy and idle time, the top kernels and ops) on every rank."""
+    start_step: int = 5
+    """The first profiled optimizer step; the steps before it warm up (compilation, autotuning). A step this run
+    never reaches (past training.steps, or at or before the step a resume starts from) profiles nothing."""
+    steps: int = 1
+    """Consecutive steps recorded (fewer if training ends or stops first)."""
+    record_shapes: bool = False
+    """Record each op's input shapes in the trace (a larger trace, slower to write)."""
+
+    def validate(self) -> None:
+        check(self.start_step >= 1, "profiling.start_step", "an integer >= 1", self.start_step)
+        check(self.steps >= 1, "profiling.steps", "an integer >= 1", self.steps)
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -221,6 +241,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

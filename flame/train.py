@@ -42,6 +42,7 @@ from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
 from flame.optim import build_lr_scheduler, build_optimizer, restore_lr_schedule
 from flame.parallel import all_reduce_sum, init_distributed, parallelize, resolve_dp_degrees
+from flame.profiling import StepProfiler
 from flame.run_lock import lock_run_folder
 
 
@@ -70,6 +71,8 @@ class Trainer:
         load_seconds = self.resume_and_start_metrics(resume_step)
         self.global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * self.d.world_size
         self.print_start(resume_step, load_seconds)
+        self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.device, next_step=self.step + 1,
+                                     last_step=cfg.training.steps, say=self.print)
 
     def init_process(self) -> None:
         """The process group, the seeds, and this run's folder, locked (one run per folder: RunError if in use)."""
@@ -228,6 +231,7 @@ class Trainer:
             self.print(f"nothing to train: the run is at step {self.step} of training.steps = {t.steps}")
         first_step_logged = False
         while self.step < t.steps:
+            self.profiler.before_step(self.step + 1)  # [profiling]: a window opens or closes here
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
             lr = self.optimizer.param_groups[0]["lr"]
             self.heartbeat.arrive(self.step + 1)
@@ -389,6 +393,7 @@ class Trainer:
     def close(self, clean: bool = True) -> None:
         """clean: every rank got here together (an async save in flight is completed). After an error, skip all
         waiting on other ranks: one of them may be gone."""
+        self.profiler.close(write=clean)  # [profiling]: a window that the end of training or a stop signal cut short
         if clean:
             self.checkpointer.close()
             self.report_written()
