@@ -1,8 +1,6 @@
-"""Triton backward of chunked RWKV-6 (derivation in README.md).
+"""Triton backward of chunked RWKV-6 (derivation in README.md). The state gradient at every chunk's end (dh) and at
+the start (dh0) comes first from scan._scan (REVERSE).
 
-  _bwd_scan   (per sequence, head and V tile, chunks last to first): the state gradient dS (fp32), stored at each
-              chunk's end as dh; dS at t = 0 is dh0. Blocked like the forward's scan for few long sequences
-              (block maps, fwd._block_scan in reverse, block fills).
   _bwd_chunk  (per chunk and head, all at once): dA pushed back through the halving levels to r and k, the
               log-decay gradients summed in reverse to dw, the chunk's share of du (summed over chunks by the launch
               code), and dv from the forward's A.
@@ -13,54 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv6.fwd import chunk_decays, level_factors, scan_span
-from kernels.tl_utils import (chunk_program, diag_of, load_cols, load_rows, load_state, mm, run_sums, spare_chunk,
-                               store_rows)
-
-
-@triton.jit
-def _bwd_scan(r, w, do, cu, chunk_offsets, block_index, dht, dh, dh0, gb, scale, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
-              BLOCKED: tl.constexpr, STORE_DH: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-              PREC: tl.constexpr):
-    """dS <- diag(e^{g_C}) dS + scale (r e^{ge})^T do over chunks, last to first, in the roles of _fwd_scan:
-    sequence (from dht, dh per chunk end, dh0 at the start), block map (from zero over a block: its start value to
-    dh0[block], its log decay to gb[block]) and block fill (from dht[block], dh per chunk end)."""
-    bos, eos, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
-    if BLOCKED:
-        if count <= 0:   # a spare block of a packed batch
-            return
-    i_p, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    m_k = ck < K
-    cv = i_v * BV + tl.arange(0, BV)
-    m_v = cv < V
-    s_off = ck[:, None] * V + cv[None, :]
-    m_kv = m_k[:, None] & m_v[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    G = tl.zeros([BK], dtype=tl.float32)
-    if HAS_DHT:
-        dS = load_state(dht, (i_p * H + i_h).to(tl.int64) * K * V, ck, cv, V, m_k, m_v)
-    for j in range(count):
-        i = count - 1 - j
-        tok = bos + i * BT + rows
-        m_t = tok < eos
-        if STORE_DH:
-            tl.store(dh + ((c0 + i) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
-        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-        before = tl.cumsum(wT, axis=1) - wT
-        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(before, 0.))
-        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
-        w_sum = tl.sum(wT, axis=1)
-        G += w_sum
-        dS = tl.exp(w_sum)[:, None] * dS + scale * tl.dot(r_decT, b_do, input_precision=PREC)
-    if STORE_DH0:
-        tl.store(dh0 + (i_p * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
-    if BLOCKED:
-        if not STORE_DH:
-            if i_v == 0:
-                tl.store(gb + (i_p * H + i_h).to(tl.int64) * K + ck, G, mask=m_k)
+from kernels.rwkv6.fwd import chunk_decays, level_factors
+from kernels.tl_utils import chunk_program, diag_of, load_rows, load_state, mm, run_sums, spare_chunk, store_rows
 
 
 @triton.jit

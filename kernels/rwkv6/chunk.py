@@ -1,6 +1,6 @@
 """RWKV-6 ("Finch": diagonal data-dependent decay and a bonus for the current token), chunked: the public call, its
-settings, the launches and the custom ops around them (math and design in README.md; the Triton kernels in fwd.py
-and bwd.py).
+settings, the launches and the custom ops around them (math and design in README.md; the Triton kernels in scan.py,
+fwd.py and bwd.py).
 
     o, final_state = chunk_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False,
                                  cu_seqlens=None, backend=None, settings=None)
@@ -53,7 +53,7 @@ class Settings:
     """V tile of the sequence scans; None: kernels.utils.scan_tile, the widest tile that still gives about one
     program per SM."""
     scan_warps: int = 4
-    """Warps of the scans (_fwd_scan, _bwd_scan)."""
+    """Warps of the scans (_scan, _block_scan)."""
     out_warps: int = 4
     """Warps of _fwd_out."""
     bwd_warps: int = 8
@@ -92,75 +92,67 @@ class Settings:
         return self.scan_tile(V, sequences * H) < min(64, max(16, next_pow2(V)))
 
 
+def _scan_states(x, y, w, scale, first, want_last, cu, tables, blocks, s: Settings, reverse: bool):
+    """The state on entering each chunk, fp32 [NT, H, K, V], and after the last (None unless want_last), from
+    `first` (or zero): forward (x = k, y = v, scale 1) h and the final state from h0; reverse (x = r, y = do, the
+    output's scale) dh, the gradient at each chunk's end, and dh0 from dht. Blocked scans when `blocks` is not None."""
+    from kernels.rwkv6.scan import _block_scan, _scan
+
+    _, _, H, K = x.shape
+    V = y.shape[-1]
+    BT, BK = s.chunk_size(K), max(16, next_pow2(K))
+    chunk_offsets, _, NT = tables
+    N = cu.numel() - 1
+    f32 = dict(device=x.device, dtype=torch.float32)
+    states = torch.empty(NT, H, K, V, **f32)
+    last = torch.empty(N, H, K, V, **f32) if want_last else None
+    BV = s.scan_tile(V, N * H)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, REVERSE=reverse, PREC=s.prec, num_warps=s.scan_warps)
+    if blocks is None:
+        launch(_scan, (N, H, triton.cdiv(V, BV)), x, y, w, cu, chunk_offsets, None, first, states, last, None, scale,
+               BV=BV, BLOCKED=False, STORE_CHUNK=True, HAS_FIRST=first is not None, STORE_LAST=want_last, **scan)
+        return states, last
+    block_offsets, block_index, NB = blocks
+    BVb = min(s.block_bv, max(16, next_pow2(V)))
+    # per block, all at once: its last state from zero and its log decay; then the blocks in walk order; then the fill
+    sb = torch.empty(NB, H, K, V, **f32)
+    gb = torch.empty(NB, H, K, **f32)
+    launch(_scan, (NB, H, triton.cdiv(V, BVb)), x, y, w, cu, chunk_offsets, block_index, None, None, sb, gb, scale,
+           BV=BVb, BLOCKED=True, STORE_CHUNK=False, HAS_FIRST=False, STORE_LAST=True, **scan)
+    s_in = torch.empty(NB, H, K, V, **f32)
+    launch(_block_scan, (N, H, triton.cdiv(V, BV)), block_offsets, gb, sb, first, s_in, last, H=H, K=K, V=V, BK=BK,
+           BV=BV, REVERSE=reverse, HAS_S0=first is not None, STORE_END=want_last, num_warps=s.scan_warps)
+    launch(_scan, (NB, H, triton.cdiv(V, BVb)), x, y, w, cu, chunk_offsets, block_index, s_in, states, None, None,
+           scale, BV=BVb, BLOCKED=True, STORE_CHUNK=True, HAS_FIRST=True, STORE_LAST=False, **scan)
+    return states, last
+
+
 def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, s: Settings):
-    from kernels.rwkv6.fwd import _block_scan, _fwd_out, _fwd_scan
+    from kernels.rwkv6.fwd import _fwd_out
 
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = s.chunk_size(K), max(16, next_pow2(K))
-    chunk_offsets, chunk_index, NT = tables
-    N = cu.numel() - 1
-    f32 = dict(device=r.device, dtype=torch.float32)
-    h = torch.empty(NT, H, K, V, **f32)
-    ht = torch.empty(N, H, K, V, **f32) if want_ht else None
-    BV = s.scan_tile(V, N * H)
-    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec, num_warps=s.scan_warps)
-    if blocks is None:
-        launch(_fwd_scan, (N, H, triton.cdiv(V, BV)), k, v, w, cu, chunk_offsets, None, h0, h, ht, None, BV=BV,
-               BLOCKED=False, STORE_H=True, HAS_H0=h0 is not None, STORE_HT=want_ht, **scan)
-    else:
-        block_offsets, block_index, NB = blocks
-        BVb = min(s.block_bv, max(16, next_pow2(V)))
-        # per block, all at once: its end state from zero and its log decay; then the blocks in order; then the fill
-        sb = torch.empty(NB, H, K, V, **f32)
-        gb = torch.empty(NB, H, K, **f32)
-        launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), k, v, w, cu, chunk_offsets, block_index, None, None, sb, gb,
-               BV=BVb, BLOCKED=True, STORE_H=False, HAS_H0=False, STORE_HT=True, **scan)
-        s_in = torch.empty(NB, H, K, V, **f32)
-        launch(_block_scan, (N, H, triton.cdiv(V, BV)), block_offsets, gb, sb, h0, s_in, ht, H=H, K=K, V=V, BK=BK,
-               BV=BV, REVERSE=False, HAS_S0=h0 is not None, STORE_END=want_ht, num_warps=s.scan_warps)
-        launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), k, v, w, cu, chunk_offsets, block_index, s_in, h, None, None,
-               BV=BVb, BLOCKED=True, STORE_H=True, HAS_H0=True, STORE_HT=False, **scan)
+    _, chunk_index, NT = tables
+    h, ht = _scan_states(k, v, w, 1.0, h0, want_ht, cu, tables, blocks, s, reverse=False)
     o = torch.empty_like(v)
-    a = torch.empty(NT, H, BT, BT, **f32)
+    a = torch.empty(NT, H, BT, BT, device=r.device, dtype=torch.float32)
     launch(_fwd_out, (NT, H), r, k, v, w, u, h, o, a, cu, chunk_index, scale, H=H, K=K, V=V, BT=BT, BK=BK,
            BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec, num_warps=s.out_warps)
     return o, ht, h, a
 
 
 def _bwd(r, k, v, w, u, scale, h0, cu, h, a, tables, blocks, do, dht, s: Settings):
-    from kernels.rwkv6.bwd import _bwd_chunk, _bwd_scan
-    from kernels.rwkv6.fwd import _block_scan
+    from kernels.rwkv6.bwd import _bwd_chunk
 
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = s.chunk_size(K), max(16, next_pow2(K))
-    chunk_offsets, chunk_index, NT = tables
-    N = cu.numel() - 1
-    f32 = dict(device=r.device, dtype=torch.float32)
-    dh = torch.empty(NT, H, K, V, **f32)
-    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    BV = s.scan_tile(V, N * H)
-    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec, num_warps=s.scan_warps)
-    if blocks is None:
-        launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), r, w, do, cu, chunk_offsets, None, dht, dh, dh0, None, scale,
-               BV=BV, BLOCKED=False, STORE_DH=True, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, **scan)
-    else:
-        block_offsets, block_index, NB = blocks
-        BVb = min(s.block_bv, max(16, next_pow2(V)))
-        # per block: its start gradient from zero and its log decay; the blocks last to first; then the fill
-        sb = torch.empty(NB, H, K, V, **f32)
-        gb = torch.empty(NB, H, K, **f32)
-        launch(_bwd_scan, (NB, H, triton.cdiv(V, BVb)), r, w, do, cu, chunk_offsets, block_index, None, None, sb, gb,
-               scale, BV=BVb, BLOCKED=True, STORE_DH=False, HAS_DHT=False, STORE_DH0=True, **scan)
-        s_end = torch.empty(NB, H, K, V, **f32)
-        launch(_block_scan, (N, H, triton.cdiv(V, BV)), block_offsets, gb, sb, dht, s_end, dh0, H=H, K=K, V=V, BK=BK,
-               BV=BV, REVERSE=True, HAS_S0=dht is not None, STORE_END=h0 is not None, num_warps=s.scan_warps)
-        launch(_bwd_scan, (NB, H, triton.cdiv(V, BVb)), r, w, do, cu, chunk_offsets, block_index, s_end, dh, None,
-               None, scale, BV=BVb, BLOCKED=True, STORE_DH=True, HAS_DHT=True, STORE_DH0=False, **scan)
+    _, chunk_index, NT = tables
+    dh, dh0 = _scan_states(r, do, w, scale, dht, h0 is not None, cu, tables, blocks, s, reverse=True)
     dr, dk, dv, dw = (torch.empty_like(x) for x in (r, k, v, w))
     # each chunk's share of du (spare chunks of a packed batch write nothing: zeros)
-    du = torch.zeros(NT, H, K, **f32)
+    du = torch.zeros(NT, H, K, device=r.device, dtype=torch.float32)
     launch(_bwd_chunk, (NT, H), r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du, scale, H=H, K=K,
            V=V, BT=BT, BK=BK, BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec,
            num_warps=s.bwd_warps)

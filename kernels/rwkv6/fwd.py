@@ -1,10 +1,7 @@
-"""Triton forward of chunked RWKV-6 (math and notation in README.md).
+"""Triton forward of chunked RWKV-6 (math and notation in README.md): the output kernel, and the chunk decays and
+halving-level factors it shares with the backward. The states it reads (h, the state entering each chunk) come from
+scan._scan.
 
-Launches:
-  _fwd_scan  (one program per sequence, head and V tile, chunks in order): the state entering every chunk, stored
-             as h (the output and the backward read it), and the final state; for few long sequences blocked
-             instead: per block of chunks its map (all blocks at once), _block_scan over the blocks in order
-             (elementwise: the transition is diagonal), then per block the fill of h from its entering state;
   _fwd_out   (one program per chunk and head, all chunks at once): the chunk's pairwise matrix A (by halving, one
              product per level, the bonus on its diagonal), kept for the backward, and the output
              o = scale (r e^{ge} h + A v).
@@ -19,8 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (chunk_program, load_cols, load_rows, load_state, mm, pair_mask, run_sums, sequence_span,
-                               spare_chunk, store_rows)
+from kernels.tl_utils import chunk_program, load_rows, load_state, mm, pair_mask, run_sums, spare_chunk, store_rows
 
 
 @triton.jit
@@ -57,100 +53,6 @@ def pairwise(b_r, b_k, b_w, b_u, rows, LEVELS: tl.constexpr, BF16: tl.constexpr,
         e_row, e_col, pair = level_factors(b_w, rows, BT >> lvl)
         A += tl.where(pair, mm(b_r * e_row, tl.trans(b_k * e_col), BF16, PREC), 0.)
     return A
-
-
-@triton.jit
-def scan_span(cu, chunk_offsets, block_index, BT: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr):
-    """What one scan program walks: (its first token, the sequence's end, number of chunks, first global chunk). A
-    whole sequence (program axis 0 = sequence), or with BLOCKED one block of L chunks of it (axis 0 = global block;
-    a spare block of a packed batch gets no chunks)."""
-    if BLOCKED:
-        i_n = tl.load(block_index + 2 * tl.program_id(0))
-        first = tl.load(block_index + 2 * tl.program_id(0) + 1) * L
-        bos, eos, chunks, c0 = sequence_span(cu, chunk_offsets, i_n, BT)
-        return bos + first * BT, eos, tl.minimum(chunks - first, L), c0 + first
-    return sequence_span(cu, chunk_offsets, tl.program_id(0), BT)
-
-
-@triton.jit
-def _fwd_scan(k, v, w, cu, chunk_offsets, block_index, h0, h, ht, gb, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
-              BLOCKED: tl.constexpr, STORE_H: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-              PREC: tl.constexpr):
-    """S <- diag(e^{g_C}) S + (k e^{g_C - g})^T v over chunks in order, in one of three roles:
-      sequence   (not BLOCKED): from h0 through a sequence's chunks, storing the state entering each chunk (h) and
-                 the final state (ht);
-      block map  (BLOCKED, not STORE_H): from zero through one block of L chunks: the block's end state to ht[block]
-                 and its log decay (the sum of its w) to gb[block] (the transition is diagonal, so that pair is the
-                 whole block map);
-      block fill (BLOCKED, STORE_H): the sequence role over one block, from its entering state h0[block]."""
-    bos, eos, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
-    if BLOCKED:
-        if count <= 0:   # a spare block of a packed batch
-            return
-    i_p, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    m_k = ck < K
-    cv = i_v * BV + tl.arange(0, BV)
-    m_v = cv < V
-    s_off = ck[:, None] * V + cv[None, :]
-    m_kv = m_k[:, None] & m_v[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    G = tl.zeros([BK], dtype=tl.float32)
-    if HAS_H0:
-        S = load_state(h0, (i_p * H + i_h).to(tl.int64) * K * V, ck, cv, V, m_k, m_v)
-    for i in range(count):
-        tok = bos + i * BT + rows
-        m_t = tok < eos
-        if STORE_H:
-            tl.store(h + ((c0 + i) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
-        # feature-major [BK, BT]: the decay sums run along the tokens; padded tokens load w = 0, k = v = 0
-        wT = load_cols(w, tok, i_h, H, K, ck, m_t, m_k)
-        after = tl.cumsum(wT, axis=1, reverse=True) - wT
-        k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(after, 0.))
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        w_sum = tl.sum(wT, axis=1)
-        G += w_sum
-        S = tl.exp(w_sum)[:, None] * S + tl.dot(k_endT, b_v, input_precision=PREC)
-    if STORE_HT:
-        tl.store(ht + (i_p * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
-    if BLOCKED:
-        if not STORE_H:
-            if i_v == 0:
-                tl.store(gb + (i_p * H + i_h).to(tl.int64) * K + ck, G, mask=m_k)
-
-
-@triton.jit
-def _block_scan(block_offsets, gb, sb, s0, s_in, s_end, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr,
-                STORE_END: tl.constexpr):
-    """The sequential part of a blocked scan, per sequence, head and V tile: S <- diag(e^{gb_j}) S + sb_j over the
-    sequence's blocks (last to first with REVERSE), storing the state entering each block in s_in; no product, the
-    block maps being diagonal."""
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b0 = tl.load(block_offsets + i_n)
-    count = tl.load(block_offsets + i_n + 1) - b0
-    ck = tl.arange(0, BK)
-    m_k = ck < K
-    cv = i_v * BV + tl.arange(0, BV)
-    m_v = cv < V
-    s_off = ck[:, None] * V + cv[None, :]
-    m_kv = m_k[:, None] & m_v[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_S0:
-        S = load_state(s0, (i_n * H + i_h).to(tl.int64) * K * V, ck, cv, V, m_k, m_v)
-    for j in range(count):
-        if REVERSE:
-            b = b0 + count - 1 - j
-        else:
-            b = b0 + j
-        base = (b * H + i_h).to(tl.int64)
-        tl.store(s_in + base * K * V + s_off, S, mask=m_kv)
-        g = tl.load(gb + base * K + ck, mask=m_k, other=0.)
-        S = tl.exp(tl.minimum(g, 0.))[:, None] * S + load_state(sb, base * K * V, ck, cv, V, m_k, m_v)
-    if STORE_END:
-        tl.store(s_end + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
 
 
 @triton.jit
