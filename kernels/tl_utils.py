@@ -144,22 +144,39 @@ def mm(a, b, BF16: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def run_pick(rows, RUN: tl.constexpr, BEFORE: tl.constexpr):
+    """[BT, BT] 0/1: [t, s] = 1 where s is in t's own run of RUN rows (runs start at multiples of RUN) and comes
+    before t (BEFORE) or after it."""
+    same = (rows[:, None] // RUN) == (rows[None, :] // RUN)
+    if BEFORE:
+        return tl.where(same & (rows[None, :] < rows[:, None]), 1., 0.)
+    return tl.where(same & (rows[None, :] > rows[:, None]), 1., 0.)
+
+
+@triton.jit
 def run_sums(x, rows, RUN: tl.constexpr, BEFORE: tl.constexpr):
     """[BT, BD]: for each row t of a token-major fp32 tile, the sum of x over the other rows of t's own run of RUN
     rows (runs start at multiples of RUN) that come before t (BEFORE) or after it. A product with a 0/1 matrix
     instead of a scan: a scan along the rows of a tile spread over warps is shuffles and shared-memory round trips,
     the product two tensor-core ops, x split into bf16 high and low parts (16 significant bits; every partial product
     exact, fp32 accumulation); a sum of log decays (<= 0) stays a sum of non-positive terms."""
-    same = (rows[:, None] // RUN) == (rows[None, :] // RUN)
-    if BEFORE:
-        pick = tl.where(same & (rows[None, :] < rows[:, None]), 1., 0.)
-    else:
-        pick = tl.where(same & (rows[None, :] > rows[:, None]), 1., 0.)
+    pick = run_pick(rows, RUN, BEFORE)
     if INTERPRETED:   # the exact fp32 sums (the split is checked on the GPU)
         return tl.dot(pick, x, input_precision="ieee")
     hi = x.to(tl.bfloat16)
     lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
     return tl.dot(pick.to(tl.bfloat16), lo) + tl.dot(pick.to(tl.bfloat16), hi)
+
+
+@triton.jit
+def run_sums_t(xT, rows, RUN: tl.constexpr, BEFORE: tl.constexpr):
+    """run_sums of a feature-major [BD, BT] tile, along its columns (the tokens)."""
+    pickT = tl.trans(run_pick(rows, RUN, BEFORE))
+    if INTERPRETED:
+        return tl.dot(xT, pickT, input_precision="ieee")
+    hi = xT.to(tl.bfloat16)
+    lo = (xT - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(lo, pickT.to(tl.bfloat16)) + tl.dot(hi, pickT.to(tl.bfloat16))
 
 
 @triton.jit

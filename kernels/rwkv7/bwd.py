@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels.rwkv7.fwd import load_w, scan_span
-from kernels.tl_utils import (chunk_bounds, chunk_program, decay_on, first_half, half_cumsum_t, load_cols,
-                               load_rows, pair_mask, second_half, spare_chunk, store_cols)
+from kernels.tl_utils import (chunk_bounds, chunk_program, decay_on, first_half, load_cols, load_rows, mm, pair_mask,
+                               run_sums_t, second_half, spare_chunk, store_cols)
 
 
 @triton.jit
@@ -78,12 +78,12 @@ def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, d
 
 
 @triton.jit
-def level_sums_t(wT, rows, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+def level_sums_t(wT, rows, BS: tl.constexpr):
     """fwd.level_sums of a feature-major [BK, BT] chunk: g_t - g_m, ge_t - g_m, g_m - g_s and the half masks
     [1, BT] (_bwd_chunk masks its pairs at the paired width)."""
-    to_row = half_cumsum_t(wT, BK, BT, BS // 2)
-    from_col = half_cumsum_t(wT, BK, BT, BS // 2, True) - wT
-    return to_row, to_row - wT, from_col, second_half(rows, BS)[None, :], first_half(rows, BS)[None, :]
+    to_row_ex = run_sums_t(wT, rows, BS // 2, True)
+    from_col = run_sums_t(wT, rows, BS // 2, False)
+    return to_row_ex + wT, to_row_ex, from_col, second_half(rows, BS)[None, :], first_half(rows, BS)[None, :]
 
 
 @triton.jit
@@ -127,7 +127,8 @@ def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
 def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                dr, dw, dk, dv, da, db, scale, TT,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
+               PREC: tl.constexpr):
     """Token tiles are feature-major and paired: [BK or BV, 2 BT], the chunk's tokens twice along the columns, the
     first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
     [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
@@ -147,7 +148,7 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
     wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)
     gC = tl.sum(wT, axis=1)
-    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(gC[:, None] - tl.cumsum(wT, axis=1), 0.))
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
     # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)
     Ak2 = tl.where(lo[:, None], scale, 1.) * (
         load_rows(Ark, tok2, i_h, H, BT, rows, m_t2 & lo, rows < BT)
@@ -167,11 +168,11 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
         X2 = load_pair_cols(do, dZ, tok2, lo, i_h, H, V, cv, m_t2, m_v)   # [BV, 2 BT]
         Y2 = load_pair_cols(U, v, tok2, lo, i_h, H, V, cv, m_t2, m_v)
-        d_x += tl.dot(S0, X2, input_precision=PREC)
-        d_y += tl.dot(dSC, Y2, input_precision=PREC)
+        d_x += mm(S0, X2, BF16, PREC)
+        d_y += mm(dSC, Y2, BF16, PREC)
         d_gC += tl.sum(S0 * dSC, axis=1)
-        dA += tl.dot(tl.trans(X2), Y2, input_precision=PREC)
-        dvT = tl.dot(X2, Ak2, input_precision=PREC) + tl.dot(tl.trans(dSC), k_endT, input_precision=PREC)
+        dA += mm(tl.trans(X2), Y2, BF16, PREC)
+        dvT = mm(X2, Ak2, BF16, PREC) + mm(tl.trans(dSC), k_endT, BF16, PREC)
         store_cols(dv, dvT, tok, i_h, H, V, cv, m_t, m_v)
 
     # The r rows of dA carry the output's scale; pairs run t > s (levels) and t = s for r rows only (diagonal).
@@ -179,27 +180,27 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # [r | a] and [b | k] stay in the inputs' dtype (half the registers when bf16) until each use
     X = load_pair_raw(r, a, tok2, lo, i_h, H, K, ck, m_t2, m_k)
     Y = load_pair_raw(b, k, tok2, lo, i_h, H, K, ck, m_t2, m_k)
-    gT = tl.cumsum(wT, axis=1)
+    geT = run_sums_t(wT, rows, BT, True)
     # x rows read g (r, inclusive) or ge (a, exclusive); y columns and the chunk end read -g
-    to_endT = tl.exp(tl.minimum(gC[:, None] - gT, 0.))
+    to_endT = tl.exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
     d_y *= pair_cols(to_endT, to_endT, BK, BT)
     d_gC = d_gC * tl.exp(gC) + tl.sum(Y.to(tl.float32) * d_y, axis=1)
-    d_x *= pair_cols(scale * tl.exp(gT), tl.exp(tl.minimum(gT - wT, 0.)), BK, BT)
+    d_x *= pair_cols(scale * tl.exp(tl.minimum(geT + wT, 0.)), tl.exp(tl.minimum(geT, 0.)), BK, BT)
     # the diagonal (decay 1): dr_t += dA_rb[t,t] b_t + dA_rk[t,t] k_t; db_t, dk_t += the same entries times r_t
     diag = lo[:, None] & (c2[:, None] == t2[None, :])
     Dg = tl.where(diag, dA, 0.)
-    d_x += tl.dot(Y.to(tl.float32), tl.trans(Dg), input_precision=PREC)
-    d_y += tl.dot(X.to(tl.float32), Dg, input_precision=PREC)
+    d_x += mm(Y.to(tl.float32), tl.trans(Dg), BF16, PREC)
+    d_y += mm(X.to(tl.float32), Dg, BF16, PREC)
     # Pairwise matrices back to their factors, level by level as in the forward:
     # dx_t = e_row(t) * sum_s dA[t, s] y^_s and dy_s = e_col(s) * sum_t dA[t, s] x^_t.
     for lvl in tl.static_range(LEVELS):
-        to_row, to_row_ex, from_col, second, first = level_sums_t(wT, rows, BT, BK, BT >> lvl)
+        to_row, to_row_ex, from_col, second, first = level_sums_t(wT, rows, BT >> lvl)
         e_x = pair_cols(decay_on(second, to_row), decay_on(second, to_row_ex), BK, BT)
         e_c = decay_on(first, from_col)
         e_y = pair_cols(e_c, e_c, BK, BT)
         m_pair = tl.where(pair_mask(t2, t2, BT >> lvl), dA, 0.)
-        d_x += e_x * tl.dot(Y.to(tl.float32) * e_y, tl.trans(m_pair), input_precision=PREC)
-        d_y += e_y * tl.dot(X.to(tl.float32) * e_x, m_pair, input_precision=PREC)
+        d_x += e_x * mm(Y.to(tl.float32) * e_y, tl.trans(m_pair), BF16, PREC)
+        d_y += e_y * mm(X.to(tl.float32) * e_x, m_pair, BF16, PREC)
 
     # log-decay gradients: r rows read +g, a rows +ge, b and k columns -g, the chunk end +gC (on its last row, which
     # the reverse cumulative sum hands to every row)
@@ -207,7 +208,7 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     d_g = fold_pairs(tl.where(lo[None, :], xd, 0.) - Y.to(tl.float32) * d_y, BK, BT) \
         + tl.where(rows[None, :] == BT - 1, d_gC[:, None], 0.)
     d_ge = fold_pairs(tl.where(lo[None, :], 0., xd), BK, BT)
-    dwT = tl.cumsum(d_g + d_ge, axis=1, reverse=True) - d_ge
+    dwT = run_sums_t(d_g + d_ge, rows, BT, False) + d_g
     store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
     store_pair_cols(dr, da, d_x, tok2, lo, i_h, H, K, ck, m_t2, m_k)
     store_pair_cols(db, dk, d_y, tok2, lo, i_h, H, K, ck, m_t2, m_k)

@@ -26,6 +26,11 @@ from kernels.settings import from_text, to_text
 from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
 
 
+BWD_WARPS = 4
+"""Warps of _bwd_chunk: fixed, since with 8 Triton 3.6 builds its bf16 products with reads past the end of its
+shared memory (compute-sanitizer: an invalid __shared__ read, then an illegal address at T = 512, H = 4)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """Tiles, warps and the shape-chosen scan regime of the Triton kernel. Fixed values instead of autotuning: a
@@ -34,8 +39,12 @@ class Settings:
     chunk: int = 16
     """Tokens per chunk: a chunk's pairwise matrices, T and its level decays then fit in registers."""
     prec: str = "tf32"
-    """Operand precision of every fp32 product ("tf32" or "ieee"): tf32 is enough for bf16 models; the interpreter
-    computes exact fp32 whatever this says."""
+    """Operand precision of the fp32 products ("tf32" or "ieee"): the scans' always, the per-chunk kernels' where
+    their operands are not bf16; the interpreter computes exact fp32 whatever this says."""
+    bf16_products: bool = True
+    """For bf16 inputs, the per-chunk kernels' products (the pairwise matrices, A_ak v, every gradient of _bwd_chunk)
+    take bf16 operands with fp32 accumulation, as FLA's kernels do. T = (I - A_ab)^{-1} and its products stay fp32,
+    and so do the scans' state products."""
     chunk_bv: int = 64
     """V tile of the per-chunk kernels (_fwd_prep, _bwd_chunk): all of V at once for V <= 64."""
     scan_bv: int | None = None
@@ -45,8 +54,6 @@ class Settings:
     """Warps of the scans (sequence scans, block fills, the blocked scan's sequential part)."""
     prep_warps: int = 4
     """Warps of _fwd_prep."""
-    bwd_warps: int = 4
-    """Warps of _bwd_chunk."""
     prep_maxnreg: int | None = 168
     """Register cap of _fwd_prep (None: ptxas decides, 192): 168 fits 3 blocks per SM for a few spilled bytes."""
     blocked_scan: bool | None = None
@@ -64,6 +71,10 @@ class Settings:
 
     def scan_tile(self, V: int, sequences_x_heads: int) -> int:
         return self.scan_bv or scan_tile(V, sequences_x_heads)
+
+    def bf16(self, r: torch.Tensor) -> bool:
+        """Whether the per-chunk products take bf16 operands for inputs like r."""
+        return self.bf16_products and r.dtype == torch.bfloat16
 
     def blocked(self, sequences: int, H: int, V: int) -> bool:
         """Whether the scans run blocked for this shape."""
@@ -89,7 +100,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     wf = torch.empty(H, K, TT, **f32)
     launch(_fwd_prep, (NT, H), r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
            H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))), LEVELS=BT.bit_length() - 1,
-           PREC=s.prec, num_warps=s.prep_warps, maxnreg=s.prep_maxnreg)
+           BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps, maxnreg=s.prep_maxnreg)
     h = torch.empty(NT, H, K, V, **f32)
     U = torch.empty(1, T, H, V, **f32)
     o = torch.empty_like(v)
@@ -162,7 +173,7 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Set
     dv = torch.empty_like(v)
     launch(_bwd_chunk, (NT, H), r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
            dr, dw, dk, dv, da, db, scale, TT, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
-           LEVELS=BT.bit_length() - 1, PREC=s.prec, num_warps=s.bwd_warps)
+           LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec, num_warps=BWD_WARPS)
     return dr, dw, dk, dv, da, db, dh0
 
 

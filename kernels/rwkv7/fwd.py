@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (by_chunk, chunk_program, decay_on, first_half, half_cumsum, load_cols, load_rows,
-                               pair_mask, second_half, sequence_span, spare_chunk, store_cols, store_rows)
+from kernels.tl_utils import (by_chunk, chunk_program, decay_on, first_half, load_cols, load_rows, mm, pair_mask,
+                               run_sums, second_half, sequence_span, spare_chunk, store_cols, store_rows)
 
 
 @triton.jit
@@ -34,20 +34,21 @@ def load_w(wf, i_c, i_h, K: tl.constexpr, ck, m_k, rows, TT, BT: tl.constexpr):
 
 
 @triton.jit
-def level_sums(w, rows, cols, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+def level_sums(w, rows, cols, BS: tl.constexpr):
     """One halving level of a token-major [BT, BK] chunk (blocks of BS rows; tl_utils' halving levels): the log
     decays summed within half blocks, g_t - g_m and ge_t - g_m (for rows t of a second half) and g_m - g_s (for rows
-    s of a first half), m the last row of the first half; the half masks [BT, 1] and the pair mask [BT, BT]."""
-    to_row = half_cumsum(w, BT, BK, BS // 2)
-    from_col = half_cumsum(w, BT, BK, BS // 2, True) - w
-    return to_row, to_row - w, from_col, second_half(rows, BS)[:, None], first_half(rows, BS)[:, None], \
+    s of a first half), m the last row of the first half, each a run sum (tl_utils.run_sums: a sum of non-positive
+    terms); the half masks [BT, 1] and the pair mask [BT, BT]."""
+    to_row_ex = run_sums(w, rows, BS // 2, True)
+    from_col = run_sums(w, rows, BS // 2, False)
+    return to_row_ex + w, to_row_ex, from_col, second_half(rows, BS)[:, None], first_half(rows, BS)[:, None], \
         pair_mask(rows, cols, BS)
 
 
 @triton.jit
 def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+              BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
     if spare_chunk(cu, chunk_index, BT):
         return
     i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
@@ -58,7 +59,7 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
     b_a = load_rows(a, tok, i_h, H, K, ck, m_t, m_k)
     b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
-    ge = tl.cumsum(b_w, axis=0) - b_w   # exclusive cumulative log decays, for W = T (a e^{ge})
+    ge = run_sums(b_w, rows, BT, True)   # exclusive cumulative log decays, for W = T (a e^{ge})
     # w feature-major by chunk, for the scans and _bwd_chunk (load_w)
     tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
 
@@ -71,16 +72,16 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
     A_ak = tl.zeros([BT, BT], dtype=tl.float32)
     for lvl in tl.static_range(LEVELS):
-        to_row, to_row_ex, from_col, second, first, pair = level_sums(b_w, rows, cb, BT, BK, BT >> lvl)
+        to_row, to_row_ex, from_col, second, first, pair = level_sums(b_w, rows, cb, BT >> lvl)
         r_hat = b_r * decay_on(second, to_row)
         a_hat = b_a * decay_on(second, to_row_ex)
         e_col = decay_on(first, from_col)
         b_hat = tl.trans(b_b * e_col)
         k_hat = tl.trans(b_k * e_col)
-        A_rb += tl.where(pair, tl.dot(r_hat, b_hat, input_precision=PREC), 0.)
-        A_rk += tl.where(pair, tl.dot(r_hat, k_hat, input_precision=PREC), 0.)
-        A_ab += tl.where(pair, tl.dot(a_hat, b_hat, input_precision=PREC), 0.)
-        A_ak += tl.where(pair, tl.dot(a_hat, k_hat, input_precision=PREC), 0.)
+        A_rb += tl.where(pair, mm(r_hat, b_hat, BF16, PREC), 0.)
+        A_rk += tl.where(pair, mm(r_hat, k_hat, BF16, PREC), 0.)
+        A_ab += tl.where(pair, mm(a_hat, b_hat, BF16, PREC), 0.)
+        A_ak += tl.where(pair, mm(a_hat, k_hat, BF16, PREC), 0.)
 
     # T = (I - A_ab)^{-1} = (I + A)(I + A^2)(I + A^4)... (A is nilpotent: A^BT = 0), exact fp32 products.
     T = tl.where(eye, 1., 0.) + A_ab
@@ -93,13 +94,13 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Aak, A_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
-    b_W = tl.dot(T, b_a * tl.exp(ge), input_precision=PREC)
+    b_W = tl.dot(T, b_a * tl.exp(tl.minimum(ge, 0.)), input_precision=PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_Uv = tl.dot(T, tl.dot(A_ak, b_v, input_precision=PREC), input_precision=PREC)
+        b_Uv = tl.dot(T, mm(A_ak, b_v, BF16, PREC), input_precision=PREC)
         store_rows(Uv, b_Uv, tok, i_h, H, V, cv, m_t, m_v)
 
 
