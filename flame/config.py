@@ -68,7 +68,8 @@ class OptimizerConfig:
     decay_embeddings: bool = False
     """Also decay embedding tables, under the default groups (a model that declares its own groups decides)."""
     fused: bool | None = None
-    """Fused AdamW kernel; None means: on GPU yes, on CPU no."""
+    """Fused AdamW kernel (None: yes, on GPU and CPU). It skips a step whose loss or gradient norm is not finite on the
+    device; false (the foreach kernel) makes every step wait for the host to check them before the update."""
 
     def validate(self) -> None:
         check(self.lr > 0, "optimizer.lr", "a number > 0", self.lr)

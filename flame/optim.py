@@ -81,11 +81,11 @@ def model_groups(model: nn.Module, cfg: OptimizerConfig) -> list[tuple[ParamGrou
     return [(g, [params[n] for n in g.params]) for g in kept]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, on_gpu: bool) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     groups = [{"params": tensors, "name": g.name, "lr": cfg.lr * g.lr_scale, "lr_scale": g.lr_scale,
                "weight_decay": cfg.weight_decay if g.weight_decay else 0.0}
               for g, tensors in model_groups(model, cfg)]
-    fused = on_gpu if cfg.fused is None else cfg.fused
+    fused = True if cfg.fused is None else cfg.fused
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
                              foreach=None if fused else True)
 

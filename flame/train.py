@@ -125,7 +125,7 @@ class Trainer:
     def build_optimizer_and_data(self) -> None:
         """Optimizer, learning-rate schedule and the training data, whose tokenizer must fit model.vocab_size."""
         cfg, t = self.cfg, self.cfg.training
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.d.on_gpu)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loader = build_train_loader(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
                                          grad_accum=t.gradient_accumulation_steps, dp_rank=self.rank,
@@ -208,12 +208,19 @@ class Trainer:
             loss_sum += token_loss_sum.detach()
         loss = all_reduce_sum(loss_sum) / n_global
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm or math.inf)
-        finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the step's one host sync
-        if finite:
+        not_finite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.optimizer.defaults["fused"]:
+            # the fused kernel skips its own update where found_inf is 1 (weights, moments and step count as they
+            # were): the host need not wait for the backward to finish before it queues the update
+            self.optimizer.found_inf = not_finite.float()
+            self.optimizer.step()
+        elif not not_finite.item():
             self.optimizer.step()
         self.scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss.item(), grad_norm.item(), int(n_global.item()), skipped=not finite)
+        loss_value, norm_value = loss.item(), grad_norm.item()  # the step's host sync, after the update is queued
+        skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        return StepResult(loss_value, norm_value, int(n_global.item()), skipped=skipped)
 
     # ---------------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:

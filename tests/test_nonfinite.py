@@ -41,18 +41,25 @@ def local_params(trainer):
     return {n: p.to_local().detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def test_nan_step_leaves_parameters_and_optimizer_untouched(tmp_path, monkeypatch, single_process):
+def adam_moments(trainer):
+    return [s[k].to_local().clone() for s in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize("fused", [True, False])  # the update skips itself on the device / the host checks first
+def test_nan_step_leaves_parameters_and_optimizer_untouched(tmp_path, monkeypatch, single_process, fused):
     path, _ = write_config(tmp_path)
-    trainer = Trainer(load_config(path, ["--training.steps=5", "--checkpoint.enable=false"]))
+    trainer = Trainer(load_config(path, ["--training.steps=5", "--checkpoint.enable=false",
+                                         f"--optimizer.fused={str(fused).lower()}"]))
     try:
         batch = lambda: [trainer.to_device(next(trainer.loader))]  # noqa: E731
         assert not trainer.train_step(batch()).skipped
-        before = local_params(trainer)
+        before, moments = local_params(trainer), adam_moments(trainer)
         inject_nan_on_calls(monkeypatch, None)
         result = trainer.train_step(batch())
         assert result.skipped and math.isnan(result.loss)
         after = local_params(trainer)
         assert all(torch.equal(before[n], after[n]) for n in before)
+        assert all(torch.equal(a, b) for a, b in zip(moments, adam_moments(trainer)))
         assert all(p.grad is None for p in trainer.model.parameters())
         assert all(int(s["step"]) == 1 for s in trainer.optimizer.state.values())  # Adam's count did not move
         monkeypatch.undo()

@@ -69,7 +69,7 @@ def group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
 
 def test_rwkv7_groups_are_rwkv_lm_groups():
     model = tiny_rwkv7()
-    opt = build_optimizer(model, OPT, on_gpu=False)
+    opt = build_optimizer(model, OPT)
     groups = group_of(opt)
     seen = {"2x": 0, "decay": 0, "1x": 0}
     for name, p in model.named_parameters():
@@ -95,14 +95,14 @@ def test_groups_by_clean_names_on_the_parallelized_model(monkeypatch):
                                   if id(p) in {id(q) for q in g["params"]}) for g in opt.param_groups}
 
     plain = tiny_rwkv7(layers=2)
-    plain_opt = build_optimizer(plain, OPT, on_gpu=False)
+    plain_opt = build_optimizer(plain, OPT)
     expected = {g["name"]: g["lr"] for g in plain_opt.param_groups}
     expected_names = names(plain, plain_opt)
     assert all(expected_names.values())
 
     compiled = torch.compile(tiny_rwkv7(layers=2))
     assert any("_orig_mod" in n for n, _ in compiled.named_parameters())
-    opt = build_optimizer(compiled, OPT, on_gpu=False)
+    opt = build_optimizer(compiled, OPT)
     assert names(compiled, opt) == expected_names
 
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -113,7 +113,7 @@ def test_groups_by_clean_names_on_the_parallelized_model(monkeypatch):
                             activation_checkpoint="full", compile=False)
         assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
         assert all(isinstance(p, DTensor) for p in model.parameters())
-        opt = build_optimizer(model, OPT, on_gpu=False)
+        opt = build_optimizer(model, OPT)
         assert {g["name"]: g["lr"] for g in opt.param_groups} == expected
         assert names(model, opt) == expected_names
     finally:
@@ -135,7 +135,7 @@ def test_w0_lr_is_twice_the_schedule_at_every_step_and_after_resume(tmp_path):
 
     def make():
         model = tiny_rwkv7(layers=2)
-        opt = build_optimizer(model, OPT, on_gpu=False)
+        opt = build_optimizer(model, OPT)
         return model, opt, build_lr_scheduler(opt, schedule, steps)
 
     def train(model, opt, scheduler, first, last, seen):
@@ -188,7 +188,7 @@ def test_models_without_their_own_groups_keep_the_default_rule(name, extra, deca
     model = build_model(model_args_class(name)(name=name, vocab_size=128, **extra))
     assert not hasattr(model, "optimizer_groups")
     cfg = OptimizerConfig(lr=1e-3, weight_decay=0.1, decay_embeddings=decay_embeddings)
-    groups = group_of(build_optimizer(model, cfg, on_gpu=False))
+    groups = group_of(build_optimizer(model, cfg))
     rule = default_rule(model, decay_embeddings)
     assert rule["embed.weight"] == decay_embeddings and any(rule.values()) and not all(rule.values())
     for n, p in model.named_parameters():
@@ -215,5 +215,5 @@ class Declares(nn.Module):
 ])
 def test_a_parameter_in_no_group_or_two_is_an_error(groups, message):
     with pytest.raises(ValueError) as e:
-        build_optimizer(Declares(groups), OPT, on_gpu=False)
+        build_optimizer(Declares(groups), OPT)
     assert message in str(e.value)

@@ -144,7 +144,7 @@ def test_tiny_config_trains_on_sample_text():
     torch.manual_seed(0)
     model = build_model(cfg.model)
     model.init_weights()
-    optimizer = build_optimizer(model, cfg.optimizer, on_gpu=False)
+    optimizer = build_optimizer(model, cfg.optimizer)
     losses = []
     for _ in range(10):
         loss = model(ids[:, :-1], labels=ids[:, 1:]) / ids[:, 1:].numel()
