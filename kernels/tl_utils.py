@@ -124,12 +124,6 @@ def half_cumsum(x, BT: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, REVER
     return tl.reshape(tl.cumsum(tl.reshape(x, [BT // HALF, HALF, BD]), axis=1, reverse=REVERSE), [BT, BD])
 
 
-@triton.jit
-def half_cumsum_t(xT, BD: tl.constexpr, BT: tl.constexpr, HALF: tl.constexpr, REVERSE: tl.constexpr = False):
-    """half_cumsum of a feature-major [BD, BT] tile, along its columns."""
-    return tl.reshape(tl.cumsum(tl.reshape(xT, [BD, BT // HALF, HALF]), axis=2, reverse=REVERSE), [BD, BT])
-
-
 # Under Triton's interpreter bf16 casts truncate and bf16 products come out wrong; kernels take an fp32 path there.
 INTERPRETED: tl.constexpr = tl.constexpr(is_interpreting())
 
