@@ -5,6 +5,7 @@ attention, same run, same GPU.
     python scripts/bench_kernels.py --op gsa --kernels ours
     python scripts/bench_kernels.py --set rwkv7.scan_bv=32   # a setting other than its default (kernels/settings.py)
     python scripts/bench_kernels.py --profile             # also the GPU time of each kernel in one fwd+bwd
+    python scripts/bench_kernels.py --op rwkv7 --shape 8,4096,20,64,64   # one shape: here the 0.6B model's layer
 
 Two times per row: the timed fwd+bwd (triton.testing.do_bench, median), and the time the GPU spends in kernels
 (the sum of the kernels' durations under the profiler): the timed figure includes the gaps in which the GPU waits
@@ -115,6 +116,8 @@ def bench_op(op, settings, args) -> list[str]:
     cands = [(ours_name, lambda *xs: op.ours(xs, settings))] + ([(fla_name, fla)] if fla else []) \
         + ([("SDPA flash (causal)", sdpa)] if args.kernels == "all" else [])
     shapes = {"all": op.shapes, "first": op.shapes[:1], "last": op.shapes[-1:]}[args.shapes]
+    if args.shape:
+        shapes = [args.shape]
     rows = []
     for shape in shapes:
         inputs = op.make_inputs(*shape)
@@ -132,10 +135,20 @@ def bench_op(op, settings, args) -> list[str]:
     return rows
 
 
+def shape_arg(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--op", default="all", choices=["all", *OPS])
     p.add_argument("--shapes", default="all", choices=["all", "first", "last"])
+    p.add_argument("--shape", type=shape_arg, default=None, metavar="B,T,H,...",
+                   help="one shape instead of the op's own (its names as the table's), e.g. 8,4096,20,64,64: the "
+                        "0.6B RWKV-7 layer")
     p.add_argument("--kernels", default="all", choices=["all", "ours"], help="ours: skip FLA and SDPA")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--set", action="append", default=[], metavar="OP.FIELD=VALUE",
@@ -148,6 +161,11 @@ def main():
         p.exit(2, f"bench_kernels: {e}\n")
     if settings:
         print(f"kernel settings: {settings}")
+    if args.shape:
+        for name, op in OPS.items():
+            if args.op in ("all", name) and len(args.shape) != len(op.shape_names):
+                p.exit(2, f"bench_kernels: --shape for {name} takes {len(op.shape_names)} numbers "
+                          f"({','.join(op.shape_names)}), got {len(args.shape)}\n")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
     for name, op in OPS.items():

@@ -164,7 +164,7 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         m_v = cv < V
         s_off = ck[:, None] * V + cv[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.)
+        S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.).to(tl.float32)   # bf16 with bf16 products
         dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
         X2 = load_pair_cols(do, dZ, tok2, lo, i_h, H, V, cv, m_t2, m_v)   # [BV, 2 BT]
         Y2 = load_pair_cols(U, v, tok2, lo, i_h, H, V, cv, m_t2, m_v)

@@ -83,6 +83,13 @@ class Settings:
         return self.scan_tile(V, sequences * H) < min(64, max(16, next_pow2(V)))
 
 
+def kept_dtype(r: torch.Tensor, s: Settings) -> torch.dtype:
+    """dtype of the chunk states h and of U, kept for the backward: bf16 where _bwd_chunk's products take bf16
+    operands (its only reads of U are such products; h also enters the chunk decay's gradient sum(S0 * dS_C)), else
+    fp32."""
+    return torch.bfloat16 if s.bf16(r) else torch.float32
+
+
 def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     from kernels.rwkv7.fwd import _block_scan, _fwd_prep, _fwd_scan
 
@@ -101,8 +108,10 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     launch(_fwd_prep, (NT, H), r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
            H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))), LEVELS=BT.bit_length() - 1,
            BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps, maxnreg=s.prep_maxnreg)
-    h = torch.empty(NT, H, K, V, **f32)
-    U = torch.empty(1, T, H, V, **f32)
+    # what only the backward's bf16 products read is stored in bf16 (half the memory kept per layer)
+    kept = dict(device=r.device, dtype=kept_dtype(r, s))
+    h = torch.empty(NT, H, K, V, **kept)
+    U = torch.empty(1, T, H, V, **kept)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if want_ht else None
     BV = s.scan_tile(V, N * H)
@@ -213,7 +222,8 @@ def _fake_forward(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
     Mb = None
     if s.blocked(N, H, V):
         Mb = f32(chunk_count(N, BT * s.block_chunks, T, seq_len or None), H, K, K)
-    return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, f32(NT, H, K, V), f32(1, T, H, V),
+    kept = lambda *shape: r.new_empty(shape, dtype=kept_dtype(r, s))  # noqa: E731
+    return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, kept(NT, H, K, V), kept(1, T, H, V),
             *(f32(1, T, H, BT) for _ in range(4)), f32(H, K, NT * BT), Mb)
 
 

@@ -191,7 +191,7 @@ def _fwd_scan(r, wf, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h
             r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
             A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
             A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
-            tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+            tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S.to(h.dtype.element_ty), mask=m_kv)
             store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
             oT = tl.dot(St, r_decT, input_precision=PREC) + tl.dot(UT, tl.trans(A_rb), input_precision=PREC) \
                 + tl.dot(vT, tl.trans(A_rk), input_precision=PREC)
