@@ -64,4 +64,11 @@ class TextSettings:
 
     @classmethod
     def decode(cls, text: str):
-        return cls(**{k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)})
+        """Cached: every call of the op decodes its text again, on the host's critical path (about 20 us
+        uncached)."""
+        return _decode(cls, text)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(cls, text: str):
+    return cls(**{k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)})
