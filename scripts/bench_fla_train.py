@@ -10,7 +10,7 @@ weights and computes in bf16), fused AdamW with the config's settings, gradient 
 accumulation, on flame's synthetic token stream (the same batches as our rows; the loss is the mean over every target
 token of the step, as ours). --activation-checkpoint turns on FLA's own (Hugging Face) gradient checkpointing.
 
-Figures come from the second half of the steps, as bench_train's. time_to_first_step_sec runs from this script's start
+Figures come from the second half of the steps, as bench_train's: the median step. time_to_first_step_sec runs from this script's start
 to the end of step 1: imports, building the model, and FLA's Triton autotuning, which happens on its first steps.
 MFU counts the FLOPs per token of the matching flame model, so that it compares with our rows.
 --check builds the FLA model on the CPU and prints its parameter count beside flame's; it trains nothing.
@@ -25,6 +25,7 @@ STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -84,11 +85,11 @@ def train(cfg, steps: int, activation_checkpoint: bool) -> dict:
                              dp_rank=0, dp_world=1, seed=t.seed, vocab_size=cfg.model.vocab_size)
     _, flops_per_token = flame_counts(cfg)
     warmup = steps // 2
-    first_step = start = None
+    first_step = None
+    step_times = []
+    torch.cuda.synchronize()
     for step in range(1, steps + 1):
-        if step == warmup + 1:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
+        start = time.perf_counter()
         micro_batches = [next(loader) for _ in range(t.gradient_accumulation_steps)]
         targets = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
         loss_sum = torch.zeros((), device=device)
@@ -108,8 +109,10 @@ def train(cfg, steps: int, activation_checkpoint: bool) -> dict:
         last_loss = loss_sum.item()  # one host sync per step, as our trainer's
         if step == 1:
             first_step = time.perf_counter() - STARTED
-    elapsed = time.perf_counter() - start
-    per_device = (steps - warmup) * t.gradient_accumulation_steps * t.batch_size * t.seq_len / elapsed
+        if step > warmup:
+            step_times.append(time.perf_counter() - start)
+    # the median step, as bench_train's rows
+    per_device = t.gradient_accumulation_steps * t.batch_size * t.seq_len / statistics.median(step_times)
     peak = peak_flops(cfg.metrics.peak_tflops, device)
     return {"model": architecture, "fla_version": fla_version(), "activation_checkpoint": activation_checkpoint,
             "tokens_per_sec_per_device": per_device,

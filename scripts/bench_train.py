@@ -8,7 +8,7 @@ table over models and variants, with FLA's own models beside ours.
 Each config and variant runs `scripts/launch.sh` (torchrun, each count of --nproc processes) in a fresh process on the
 synthetic token stream (no data loading cost, no checkpoints); "hsdp" replicates over 2 groups and shards within
 each. The first half of the steps warms up (compilation, autotuning, allocator); the figures come from the metrics
-of the second half only. Time to first step: from the start of a rank's process to the end of its first step
+of the second half only, one line per step: the median step's tokens/s and MFU, the peak memory. Time to first step: from the start of a rank's process to the end of its first step
 (imports, building, compiling, autotuning).
 
 For an RWKV-7 or GSA config, FLA's RWKV7ForCausalLM / GSAForCausalLM of the same shape run too, on one GPU at their
@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,7 @@ FLA_MODELS = ("rwkv7", "gsa")
 
 def common_overrides(dump: str, steps: int) -> list[str]:
     return [f"--job.dump_folder={dump}", "--data.synthetic=true", f"--training.steps={steps}",
-            f"--metrics.log_freq={max(steps // 2, 1)}", "--checkpoint.enable=false", "--metrics.enable_wandb=false",
+            "--metrics.log_freq=1", "--checkpoint.enable=false", "--metrics.enable_wandb=false",
             "--validation.enable=false", "--lr_scheduler.warmup_steps=1"]
 
 
@@ -69,9 +70,19 @@ def run_flame(config: str, steps: int, extra: list[str], nproc: int, timeout: in
         if proc.returncode != 0:
             return {"error": last_error_line(proc.stderr)}
         records = [json.loads(l) for l in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
-        row = [r for r in records if "tokens_per_sec_per_device" in r][-1]
         first = next((r["time_to_first_step_sec"] for r in records if "time_to_first_step_sec" in r), None)
-        return dict(row, time_to_first_step_sec=first)
+        return dict(steady(records, steps), time_to_first_step_sec=first)
+
+
+def steady(records: list[dict], steps: int) -> dict:
+    """The second half's steps (one metrics line each): the median step's tokens/s and MFU, the peak memory, the
+    last loss. A median, since a one-off stall (a kernel variant a new batch layout compiles, once a run) in a few
+    measured steps would move a mean far from what a long run sustains."""
+    measured = [r for r in records if "tokens_per_sec_per_device" in r and r["step"] > steps // 2]
+    median = lambda key: statistics.median(r[key] for r in measured)  # noqa: E731
+    return dict(measured[-1], tokens_per_sec_per_device=median("tokens_per_sec_per_device"),
+                mfu=None if measured[-1].get("mfu") is None else median("mfu"),
+                memory_gib=max(r["memory_gib"] for r in measured))
 
 
 def run_fla(config: str, steps: int, overrides: list[str], activation_checkpoint: bool, timeout: int) -> dict:
@@ -159,7 +170,7 @@ def print_table(rows: list, notes: list[str], steps: int, counts: list[int]) -> 
         same = [r for m, n, v, r in rows if m == model and n == counts[0] and (v == variant or variant == "hsdp")]
         return same[0].get("tokens_per_sec_per_device") if same else None
 
-    print(f"\nsteps {steps}, second half measured; scaling: tok/s/device against {counts[0]} process(es)")
+    print(f"\nsteps {steps}, median step of the second half; scaling: tok/s/device against {counts[0]} process(es)")
     print(f"{'model':<18} {'procs':>5} {'variant':<12} {'tok/s/device':>13} {'scaling':>8} {'MFU %':>7} "
           f"{'peak GiB':>9} {'1st step s':>10} {'loss':>8}")
     for model, n, variant, r in rows:
