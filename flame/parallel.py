@@ -133,9 +133,13 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
     else:  # CPU: fp32 throughout (bf16 matmuls on CPU are slow and not what tests compare against)
         mp = MixedPrecisionPolicy()
     n = len(model.layers)
+    # Over one shard (one GPU, or replicas only) a block's gathered parameters are its bf16 copies, 2 bytes per
+    # parameter: keeping them spares the backward a second cast and copy of every parameter (thousands of small
+    # kernels a step at 0.6B). Over several shards, resharding is what saves the memory.
+    reshard = d.mesh["dp_shard"].size() > 1
     for i, block in enumerate(model.layers):
         # the last block's parameters are needed again right away by backward: keep them gathered
-        fully_shard(block, mesh=d.fsdp_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+        fully_shard(block, mesh=d.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < n - 1)
     fully_shard(model, mesh=d.fsdp_mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
