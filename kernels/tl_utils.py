@@ -9,6 +9,27 @@ import triton.language as tl
 
 from kernels.utils import is_interpreting
 
+# Under Triton's interpreter bf16 casts truncate and bf16 tl.dot comes out wrong: the stores below and mm emulate what
+# the GPU computes (round to nearest even), and the run sums take exact fp32 products there.
+INTERPRETED: tl.constexpr = tl.constexpr(is_interpreting())
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: what the GPU's conversion gives."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_for(ptr, x):
+    """x in ptr's element type, rounded to nearest as on the GPU (under the interpreter too)."""
+    if INTERPRETED:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = round_bf16(x.to(tl.float32))
+    return x.to(ptr.dtype.element_ty)
+
 
 @triton.jit
 def load_rows_raw(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
@@ -26,7 +47,7 @@ def load_rows(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
 @triton.jit
 def store_rows(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, cols, m_t, m_c):
     p = ptr + (tok[:, None].to(tl.int64) * H + i_h) * D + cols[None, :]
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    tl.store(p, cast_for(ptr, x), mask=m_t[:, None] & m_c[None, :])
 
 
 @triton.jit
@@ -41,7 +62,7 @@ def load_cols(ptr, tok, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t, m_f):
 @triton.jit
 def store_cols(ptr, x, tok, i_h, H: tl.constexpr, D: tl.constexpr, feats, m_t, m_f):
     p = ptr + (tok[None, :].to(tl.int64) * H + i_h) * D + feats[:, None]
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=m_f[:, None] & m_t[None, :])
+    tl.store(p, cast_for(ptr, x), mask=m_f[:, None] & m_t[None, :])
 
 
 @triton.jit
@@ -124,15 +145,13 @@ def half_cumsum(x, BT: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr, REVER
     return tl.reshape(tl.cumsum(tl.reshape(x, [BT // HALF, HALF, BD]), axis=1, reverse=REVERSE), [BT, BD])
 
 
-# Under Triton's interpreter bf16 casts truncate and bf16 products come out wrong; kernels take an fp32 path there.
-INTERPRETED: tl.constexpr = tl.constexpr(is_interpreting())
-
-
 @triton.jit
 def mm(a, b, BF16: tl.constexpr, PREC: tl.constexpr):
     """a @ b of fp32 tiles, fp32 result: with BF16 the operands rounded to bf16 (full-rate tensor cores, half the
     registers and shared memory), else fp32 operands at PREC."""
-    if BF16 and not INTERPRETED:
+    if BF16:
+        if INTERPRETED:   # the GPU's products, emulated: operands rounded to bf16 (to nearest even), exact products
+            return tl.dot(round_bf16(a), round_bf16(b), input_precision="ieee")
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     return tl.dot(a, b, input_precision=PREC)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (by_chunk, chunk_program, decay_on, first_half, load_cols, load_rows, mm, pair_mask,
-                               run_sums, second_half, sequence_span, spare_chunk, store_cols, store_rows)
+from kernels.tl_utils import (by_chunk, cast_for, chunk_program, decay_on, first_half, load_cols, load_rows, mm,
+                               pair_mask, run_sums, second_half, sequence_span, spare_chunk, store_cols, store_rows)
 
 
 @triton.jit
@@ -191,7 +191,7 @@ def _fwd_scan(r, wf, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h
             r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
             A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
             A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
-            tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, S.to(h.dtype.element_ty), mask=m_kv)
+            tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, cast_for(h, S), mask=m_kv)
             store_cols(U, UT, tok, i_h, H, V, cv, m_t, m_v)
             oT = tl.dot(St, r_decT, input_precision=PREC) + tl.dot(UT, tl.trans(A_rb), input_precision=PREC) \
                 + tl.dot(vT, tl.trans(A_rk), input_precision=PREC)

@@ -21,10 +21,15 @@ def assert_close(got, ref, tol, what, names):
         if y is None:
             assert x is None, f"{what} {name}: expected None"
             continue
-        x, y = x.double().cpu(), y.double().cpu()
         assert torch.isfinite(x).all(), f"{what} {name}: non-finite values"
-        err = ((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+        err = rel_rmse(x, y)
         assert err <= tol, f"{what} {name}: RMSE/RMS = {err:.3e} > {tol:.0e}"
+
+
+def rel_rmse(x, ref) -> float:
+    """RMSE(x - ref) / RMS(ref), in fp64 on the CPU."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def log_decays(shape, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -117,6 +122,19 @@ def torch_path_stress_decays_t4096(op: ChunkOp, K):
     # Gradients: the fp64 chunked path (checked against the naive recurrence above) is the reference at this
     # length; autograd through 4096 naive steps would take a minute of CI.
     op.assert_close(got, op.fp64_chunked(xs, h0, 1.0), CPU_TOL, "stress bwd")
+
+
+def interpreter_bf16_products(op: ChunkOp, interp, settings_type, decay):
+    """bf16 inputs take bf16 products in the per-chunk kernels (Settings.bf16_products); the interpreter rounds
+    their operands and the bf16 stores as the GPU does (tl_utils.round_bf16, cast_for) and multiplies exactly, so
+    the GPU path's bf16 error shows on the CPU: within the bf16 bar of the fp64 recurrence on the same (bf16) inputs,
+    and visibly apart from the same kernel with fp32-operand products (so the bf16 ones did run)."""
+    xs, h0 = op.make_inputs(1, 200, 2, 64, 64, dtype=torch.bfloat16, decay=decay, seed=21)
+    ref = op.naive([x.double() for x in xs], h0.double(), 1.0)
+    got = run(interp, xs, h0, 1.0)
+    op.assert_close(got, ref, GPU_TOL, f"bf16 products, {decay} decays")
+    fp32_products = run(interp, xs, h0, 1.0, settings=settings_type(bf16_products=False))
+    assert max(rel_rmse(g, f) for g, f in zip(got, fp32_products)) > 1e-3
 
 
 def interpreter_initial_state_kv_pairs(op: ChunkOp, interp, K, V):

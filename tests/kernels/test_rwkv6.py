@@ -135,6 +135,11 @@ def test_triton_interpreter_initial_state_v_tiles(K, V, scan_bv, chunk_bv, inter
     assert_close(got, naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V} scan_bv={scan_bv} chunk_bv={chunk_bv}")
 
 
+@pytest.mark.parametrize("decay", ["model", "stress"])
+def test_triton_interpreter_bf16_products(decay, interp):
+    common.interpreter_bf16_products(OP, interp, Settings, decay)
+
+
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_triton_interpreter_stress_decays(chunk, interp):
     # log decays -1e-6 .. -50: no overflow or invalid value anywhere, masked or not

@@ -128,6 +128,12 @@ def test_triton_interpreter_stress_decays(interp):
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
+@pytest.mark.parametrize("decay", ["model", "stress"])
+def test_triton_interpreter_bf16_products(decay, interp):
+    # (with bf16 products, h and U are also kept for the backward in bf16)
+    common.interpreter_bf16_products(OP, interp, Settings, decay)
+
+
 def test_triton_kernel_under_torch_compile(interp):
     # The models compile their blocks (training.compile): the kernel call is the custom op flame::chunk_rwkv7, which
     # Dynamo traces as one node instead of into the launches, with the same output and gradients as eager.
