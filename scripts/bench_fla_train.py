@@ -10,8 +10,9 @@ weights and computes in bf16), fused AdamW with the config's settings, gradient 
 accumulation, on flame's synthetic token stream (the same batches as our rows; the loss is the mean over every target
 token of the step, as ours). --activation-checkpoint turns on FLA's own (Hugging Face) gradient checkpointing.
 
-Figures come from the second half of the steps, as bench_train's: the median step. time_to_first_step_sec runs from this script's start
-to the end of step 1: imports, building the model, and FLA's Triton autotuning, which happens on its first steps.
+Figures come from the second half of the steps, as bench_train's: the median step. time_to_first_step_sec runs from
+this script's start to the end of step 1: imports, building the model, and FLA's Triton autotuning, which happens on
+its first steps.
 MFU counts the FLOPs per token of the matching flame model, so that it compares with our rows.
 --check builds the FLA model on the CPU and prints its parameter count beside flame's; it trains nothing.
 On failure the line is {"error": ...} ("out of memory" for a CUDA OOM) and the exit code 1.

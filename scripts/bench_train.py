@@ -8,8 +8,8 @@ table over models and variants, with FLA's own models beside ours.
 Each config and variant runs `scripts/launch.sh` (torchrun, each count of --nproc processes) in a fresh process on the
 synthetic token stream (no data loading cost, no checkpoints); "hsdp" replicates over 2 groups and shards within
 each. The first half of the steps warms up (compilation, autotuning, allocator); the figures come from the metrics
-of the second half only, one line per step: the median step's tokens/s and MFU, the peak memory. Time to first step: from the start of a rank's process to the end of its first step
-(imports, building, compiling, autotuning).
+of the second half only, one line per step: the median step's tokens/s and MFU, the peak memory. Time to first step:
+from the start of a rank's process to the end of its first step (imports, building, compiling, autotuning).
 
 For an RWKV-7 or GSA config, FLA's RWKV7ForCausalLM / GSAForCausalLM of the same shape run too, on one GPU at their
 best setting (scripts/bench_fla_train.py: bf16 autocast, fused AdamW; FLA's activation checkpointing only where

@@ -20,15 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def rel_rmse(x, y) -> float:
-    x, y = x.double().cpu(), y.double().cpu()
-    return ((x - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
 def main():
     import importlib
 
     from kernels.settings import parse
+    from tests.kernels.common import rel_rmse
     p = argparse.ArgumentParser()
     p.add_argument("--op", default="rwkv6", choices=["rwkv6", "rwkv7"])
     p.add_argument("--shape", default="2,4096,4,64,64", help="B,T,H,K,V")
