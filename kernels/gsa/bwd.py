@@ -12,6 +12,8 @@ Chunk-start states are recomputed by the forward's _state_scan (between the pass
               within the chunk.
   _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk); it
               forms no pairwise decay, only streams the states and the features.
+The per-chunk kernels' decays are span sums (fwd.span_sums: products with a 0/1 matrix) and, for bf16 inputs, their
+products take bf16 operands with fp32 accumulation (BF16); the reverse scans' products do not.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gsa.fwd import gated_sum, level, load_gates, load_gates_by_chunk, store_split
-from kernels.tl_utils import chunk_program, diag_of, load_rows, load_state, spare_chunk, store_rows
+from kernels.gsa.fwd import from_start, gated_sum, level, load_gates_by_chunk, store_split, to_end
+from kernels.tl_utils import chunk_program, diag_of, load_rows, load_state, mm, spare_chunk, store_rows
 
 
 @triton.jit
 def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, d2_out, scale, TT,
             H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+            BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     """g slot-major (load_gates_by_chunk). Also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for
     _bwd_pairs, and the reverse scans' weights p e^{G} and dZr e^{G} (split in bf16 halves with SPLIT)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -34,8 +36,8 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
-    eG = tl.exp(tl.cumsum(b_g, axis=0))
+    b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    eG = tl.exp(from_start(b_g, rows))
     hbase = (i_c * H + i_h).to(tl.int64) * M
     # the forward's softmax p and slot logits Zr (kept by _fwd_out: recomputing them costs Hk, q and k here)
     Zr = load_rows(z, tok, i_h, H, M, cm, m_t, m_m)
@@ -47,10 +49,10 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
-        D2 += tl.dot(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), input_precision=PREC)
-        dPH += tl.dot(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), input_precision=PREC)
+        D2 += mm(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), BF16, PREC)
+        dPH += mm(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), BF16, PREC)
     store_rows(d2_out, D2, tok, i_h, H, BT, cols, m_t, cols < BT)
-    dP = eG * dPH + gated_sum(D2, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+    dP = gated_sum(eG * dPH, D2, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
     dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
     # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
@@ -66,7 +68,7 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
 @triton.jit
 def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
                H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
-               PREC: tl.constexpr):
+               BF16: tl.constexpr, PREC: tl.constexpr):
     """Everything of the backward that needs the pairwise decays within a chunk, apart from the states: the pair
     matrix dA1 (dZr against s) and ds's part within the chunk,
     sum_{t>=s} e^{G_t - G_s} (A1[t, s] dZr_t + D2[t, s] P_t) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by
@@ -77,28 +79,30 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     cols = tl.arange(0, BT)
     m_c = cols < BT
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
-    P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
+    b_g = load_rows(g, tok, i_h, H, M, cm, m_t, m_m)   # padded rows read 0
     dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
+    # level by level, so that each level's decays die with it: dA1 first, stored before ds's part
+    dA1 = tl.where(rows[:, None] == cols[None, :], tl.sum(dZr * b_s, axis=1)[:, None], 0.)
+    for lvl in tl.static_range(LEVELS):
+        e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
+        dA1 += tl.where(pair, mm(dZr * e_row, tl.trans(b_s * e_col), BF16, PREC), 0.)
+    store_rows(da1_out, dA1, tok, i_h, H, BT, cols, m_t, m_c)
     A1 = load_rows(a1, tok, i_h, H, BT, cols, m_t, m_c)
     D2 = load_rows(d2, tok, i_h, H, BT, cols, m_t, m_c)
-    # the three products level by level, so that each level's decays die with it
-    dA1 = tl.where(rows[:, None] == cols[None, :], tl.sum(dZr * b_s, axis=1)[:, None], 0.)
+    P = load_rows(p_in, tok, i_h, H, M, cm, m_t, m_m)
     dsi = diag_of(A1, rows, cols)[:, None] * dZr + diag_of(D2, rows, cols)[:, None] * P
     for lvl in tl.static_range(LEVELS):
-        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
-        Zr = dZr * e_row
-        dA1 += tl.where(pair, tl.dot(Zr, tl.trans(b_s * e_col), input_precision=PREC), 0.)
-        dsi += e_col * (tl.dot(tl.trans(tl.where(pair, A1, 0.)), Zr, input_precision=PREC)
-                        + tl.dot(tl.trans(tl.where(pair, D2, 0.)), P * e_row, input_precision=PREC))
-    store_rows(da1_out, dA1, tok, i_h, H, BT, cols, m_t, m_c)
+        e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
+        dsi += e_col * (mm(tl.trans(tl.where(pair, A1, 0.)), dZr * e_row, BF16, PREC)
+                        + mm(tl.trans(tl.where(pair, D2, 0.)), P * e_row, BF16, PREC))
     store_rows(dsi_out, dsi, tok, i_h, H, M, cm, m_t, m_m)
 
 
 @triton.jit
 def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, dk, dv, ds, dg, dsi, a2, da1, TT,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr):
+               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
+               PREC: tl.constexpr):
     """A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs: this kernel forms no pairwise
     decay. g slot-major (load_gates_by_chunk)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -106,10 +110,10 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     GC = tl.sum(b_g, axis=0)
-    e_end = tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))   # e^{sum_{j>t} g_j}: decay to the chunk end
-    eG = tl.exp(tl.cumsum(b_g, axis=0))                      # e^{G_t}: decay from the chunk start
+    e_end = tl.exp(to_end(b_g, rows))    # e^{sum_{j>t} g_j}: decay to the chunk end
+    eG = tl.exp(from_start(b_g, rows))   # e^{G_t}: decay from the chunk start
     s_end = b_s * e_end
     dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
     A2 = load_rows(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
@@ -126,11 +130,11 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         b_h = load_state(hk, hbase * K, cm, ck, K, m_m, m_k)
         b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
-        dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
+        dS_end += mm(b_k, tl.trans(b_dh), BF16, PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
-        b_dq = tl.dot(dZe, b_h, input_precision=PREC) + tl.dot(dA1, b_k, input_precision=PREC)
+        b_dq = mm(dZe, b_h, BF16, PREC) + mm(dA1, b_k, BF16, PREC)
         store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
-        b_dk = tl.dot(tl.trans(dA1), b_q, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
+        b_dk = mm(tl.trans(dA1), b_q, BF16, PREC) + mm(s_end, b_dh, BF16, PREC)
         store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
@@ -138,9 +142,9 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
         b_dh = load_state(dhv, hbase * V, cm, cv, V, m_m, m_v)
-        dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
+        dS_end += mm(b_v, tl.trans(b_dh), BF16, PREC)
         dGC += tl.sum(load_state(hv, hbase * V, cm, cv, V, m_m, m_v) * b_dh, axis=1)
-        b_dv = tl.dot(tl.trans(A2), b_do, input_precision=PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
+        b_dv = mm(tl.trans(A2), b_do, BF16, PREC) + mm(s_end, b_dh, BF16, PREC)
         store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end
     b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)
@@ -149,4 +153,5 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
     dG = load_rows(dg, tok, i_h, H, M, cm, m_t, m_m) - b_s * b_ds \
         + tl.where(rows[:, None] == BT - 1, dGC[None, :], 0.)
     store_rows(ds, b_ds, tok, i_h, H, M, cm, m_t, m_m)
+    # dg_j = sum_{t>=j} dG_t: a scan (as a run sum, a product, this kernel spills 120 more bytes under its cap)
     store_rows(dg, tl.cumsum(dG, axis=0, reverse=True), tok, i_h, H, M, cm, m_t, m_m)

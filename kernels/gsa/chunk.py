@@ -42,8 +42,12 @@ class Settings:
     """Tokens per chunk (16 or 32; the pairwise decays take log2(chunk) levels); None: 32 where M <= 64, else 16.
     The backward's per-chunk kernels need more shared memory than an H100 block has at 32 with M = 128."""
     prec: str = "tf32"
-    """Operand precision of every fp32 product ("tf32" or "ieee"): tf32 is enough for bf16 models; the interpreter
-    computes exact fp32 whatever this says."""
+    """Operand precision of the fp32 products ("tf32" or "ieee"): the scans' always, the per-chunk kernels' where
+    their operands are not bf16; the interpreter computes exact fp32 whatever this says."""
+    bf16_products: bool = True
+    """For bf16 inputs, the per-chunk kernels' products (_fwd_out, _bwd_dz, _bwd_pairs, _bwd_dkvsg: the logits,
+    the pairwise levels, the output and every gradient product) take bf16 operands with fp32 accumulation, as FLA's
+    kernels do. The scans' products stay as they are (fp32 at prec, or the bf16 halves of the split weights)."""
     scan_bd: int | None = None
     """D tile of the two-state scans; None: kernels.utils.scan_tile counting both states' tiles, about one program
     per SM."""
@@ -55,7 +59,8 @@ class Settings:
     scan_warps: int = 4
     """Warps of the scans: each step is a few small products, latency-bound."""
     chunk_warps: int = 8
-    """Warps of the backward's per-chunk kernels _bwd_dz and _bwd_dkvsg: fewer register spills than with 4."""
+    """Warps of the backward's per-chunk kernels _bwd_dz and _bwd_dkvsg: fewer register spills than with 4. Both
+    have bf16 products (README, Why it is built this way)."""
     out_warps: int = 4
     """Warps of the forward's _fwd_out: two blocks per SM without a cap."""
     pairs_warps: int = 4
@@ -77,6 +82,10 @@ class Settings:
 
     def chunk_len(self, M: int) -> int:
         return self.chunk or (32 if _slots(M) <= 64 else 16)
+
+    def bf16(self, q: torch.Tensor) -> bool:
+        """Whether the per-chunk products take bf16 operands for inputs like q."""
+        return self.bf16_products and q.dtype == torch.bfloat16
 
     def stateless(self, N: int, H: int, V: int) -> bool:
         """Whether the forward stores no chunk state for N sequences of H heads."""
@@ -111,7 +120,7 @@ def _chunk_consts(q, v, s, st: Settings) -> dict:
     K, V, M = q.shape[-1], v.shape[-1], s.shape[-1]
     BT = st.chunk_len(M)
     return dict(H=q.shape[2], K=K, V=V, M=M, BT=BT, BK=_tile(K), BV=_tile(V), BM=_slots(M),
-                LEVELS=BT.bit_length() - 1, PREC=st.prec)
+                LEVELS=BT.bit_length() - 1, BF16=st.bf16(q), PREC=st.prec)
 
 
 def _scan(g, cu, tables, first, second, want_ht, reverse, egc, split, st: Settings):
@@ -249,7 +258,7 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
         side.wait_stream(main)
     with torch.cuda.stream(side):
         launch(_bwd_pairs, grid, s, g, p, dz, a1, d2, cu, tables[1], dsi, da1,
-               **{n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "PREC")}, num_warps=st.pairs_warps,
+               **{n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "BF16", "PREC")}, num_warps=st.pairs_warps,
                maxnreg=st.pairs_maxnreg)
     (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
                                      split, st)

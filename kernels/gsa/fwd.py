@@ -13,10 +13,12 @@ slot-major):
     _state_scan  the key state alone (D2 = 0), each D tile storing its part of q Hk^T instead of the state;
     _fwd_out     PASS "softmax" (logits from those parts), PASS "decayed" (A2 and p e^{G});
     _out_scan    the value state, forming each chunk's output from the state it holds instead of storing it.
-Every exp() argument is a sum of log gates (<= 0), never a difference of two cumulative sums: e^{G_t},
-e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums. Masked
-entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed sequences [1, T_total, H, *];
-states, gates and softmax are fp32.
+Every exp() argument is a sum of log gates (<= 0) over its own span, never a difference of two cumulative sums:
+e^{G_t}, e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums.
+The per-chunk kernels form these sums as products with a 0/1 matrix (span_sums, as tl_utils.run_sums), clamped to
+<= 0 against rounding. Masked entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed
+sequences [1, T_total, H, *]; states, gates and softmax are fp32. For bf16 inputs the per-chunk kernels' products
+take bf16 operands with fp32 accumulation (tl_utils.mm, BF16; Settings.bf16_products); the scans' do not.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (by_chunk, chunk_program, decay_on, diag_of, first_half, half_cumsum, load_rows,
-                              load_rows_raw, load_state, pair_mask, second_half, sequence_span, spare_chunk,
+from kernels.tl_utils import (INTERPRETED, by_chunk, chunk_program, decay_on, diag_of, first_half, load_rows,
+                              load_rows_raw, load_state, mm, pair_mask, second_half, sequence_span, spare_chunk,
                               store_rows)
 
 
@@ -53,71 +55,86 @@ def split_dot(ptr, x, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, 
 
 
 @triton.jit
-def load_gates(g, tok, i_h, H: tl.constexpr, M: tl.constexpr, cm, m_t, m_m, eos, rows, BT: tl.constexpr):
-    """The chunk's log gates g [BT, BM] and the next row's gn (gn[t] = g[t+1] inside the chunk, 0 on its last row),
-    loaded shifted so that exclusive sums are plain sums: no exponent is ever a difference of two cumulative sums
-    (a difference of two large sums keeps only their absolute precision). Padded rows and slots read 0."""
-    b_g = load_rows(g, tok, i_h, H, M, cm, m_t, m_m)
-    b_gn = load_rows(g, tok + 1, i_h, H, M, cm, (rows < BT - 1) & (tok + 1 < eos), m_m)
-    return b_g, b_gn
-
-
-@triton.jit
 def load_gates_by_chunk(gf, i_c, i_h, M: tl.constexpr, cm, m_m, rows, TT, BT: tl.constexpr):
-    """load_gates from the slot-major copy (_gate_factors stores it): the same [BT, BM] tiles, but with the tokens
-    contiguous they load along a warp's lanes and the sums over the chunk stay within a warp; loaded from [T, H, M]
-    (slots contiguous) the chunk's tokens span the warps and every such sum goes through shared memory."""
-    p = gf + by_chunk(i_c, i_h, M, cm, rows, TT, BT)
-    b_g = tl.trans(tl.load(p, mask=m_m[:, None], other=0.))
-    b_gn = tl.trans(tl.load(p + 1, mask=m_m[:, None] & (rows < BT - 1)[None, :], other=0.))
-    return b_g, b_gn
+    """The chunk's log gates g [BT, BM] from the slot-major copy (_gate_factors stores it): with the tokens
+    contiguous they load as vectors along a warp's lanes; loaded from [T, H, M] (slots contiguous) a chunk's
+    tokens span the warps. Padded rows and slots read 0."""
+    return tl.trans(tl.load(gf + by_chunk(i_c, i_h, M, cm, rows, TT, BT), mask=m_m[:, None], other=0.))
 
 
 @triton.jit
-def level(b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr):
+def span_sums(b_g, pick):
+    """pick @ g, clamped to <= 0: for each row t of a token-major [BT, BM] tile of log gates, the sum of the gates
+    over its span (pick [BT, BT], 0/1: row t's span of the chunk's rows). A product as in tl_utils.run_sums, g split
+    into bf16 high and low halves (16 significant bits, exact partial products, fp32 accumulation; exact fp32 under
+    the interpreter): every exponent is a sum of gates <= 0 over its own span, never a difference of two cumulative
+    sums, and clamped to <= 0 against rounding."""
+    if INTERPRETED:
+        return tl.minimum(tl.dot(pick, b_g, input_precision="ieee"), 0.)
+    hi = b_g.to(tl.bfloat16)
+    lo = (b_g - hi.to(tl.float32)).to(tl.bfloat16)
+    pick = pick.to(tl.bfloat16)
+    return tl.minimum(tl.dot(pick, hi, tl.dot(pick, lo)), 0.)
+
+
+@triton.jit
+def from_start(b_g, rows):
+    """G_t = sum_{j<=t} g_j (span_sums: the decay from the chunk's start through row t)."""
+    return span_sums(b_g, tl.where(rows[None, :] <= rows[:, None], 1., 0.))
+
+
+@triton.jit
+def to_end(b_g, rows):
+    """E_t = sum_{j>t} g_j (span_sums: the decay after row t to the chunk's end)."""
+    return span_sums(b_g, tl.where(rows[None, :] > rows[:, None], 1., 0.))
+
+
+@triton.jit
+def level(b_g, rows, cols, BS: tl.constexpr):
     """One level of the pairwise decomposition (tl_utils): blocks of BS rows, pairs (t in a block's second half, s
     in its first half) factor through the block's middle as e^{sum_{r<j<=t} g_j} e^{sum_{s<j<=r} g_j} (r: the first
-    half's last row). Both exponents are sums of gates <= 0, summed within BS/2-row segments. Returns the row
-    factor, the column factor and the pair mask."""
+    half's last row). A row reads the first factor if it lies in a second half, the second if in a first half, so
+    both come from one span_sums (rows j of t's own half, j <= t or j > t). Returns the row factor, the column
+    factor and the pair mask."""
     HALF: tl.constexpr = BS // 2
-    if HALF == 1:   # pairs of neighbours: the row factor is e^{g_t}, the column factor 1
-        inc = b_g
-        rev = tl.zeros([BT, BM], dtype=tl.float32)
-    else:
-        inc = half_cumsum(b_g, BT, BM, HALF)
-        rev = half_cumsum(tl.where((rows % HALF != HALF - 1)[:, None], b_gn, 0.), BT, BM, HALF, REVERSE=True)
     second = second_half(rows, BS)[:, None]
     first = first_half(rows, BS)[:, None]
     pair = pair_mask(rows, cols, BS)
-    return decay_on(second, inc), decay_on(first, rev), pair
+    if HALF == 1:   # pairs of neighbours: the row factor is e^{g_t}, the column factor 1
+        return decay_on(second, b_g), tl.where(first, 1., 0.) + tl.zeros_like(b_g), pair
+    same = (rows[:, None] // HALF) == (cols[None, :] // HALF)
+    upto = cols[None, :] <= rows[:, None]
+    e = tl.exp(span_sums(b_g, tl.where(same & (upto == second), 1., 0.)))
+    return tl.where(second, e, 0.), tl.where(first, e, 0.), pair
 
 
 @triton.jit
-def gated_sum(A, X, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
-              PREC: tl.constexpr):
-    """Y[t, m] = sum_{s<=t} A[t, s] e^{G[t,m] - G[s,m]} X[s, m]. A's upper triangle is never read."""
-    Y = diag_of(A, rows, cols)[:, None] * X
+def gated_sum(Y, A, X, b_g, rows, cols, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
+    """Y[t, m] + sum_{s<=t} A[t, s] e^{G[t,m] - G[s,m]} X[s, m]. A's upper triangle is never read."""
+    BT: tl.constexpr = A.shape[0]
+    Y += diag_of(A, rows, cols)[:, None] * X
     for lvl in tl.static_range(LEVELS):
-        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
-        Y += e_row * tl.dot(tl.where(pair, A, 0.), X * e_col, input_precision=PREC)
+        e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
+        Y += e_row * mm(tl.where(pair, A, 0.), X * e_col, BF16, PREC)
     return Y
 
 
 @triton.jit
-def pair_matrix(X, Y, b_g, b_gn, rows, cols, BT: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
-                PREC: tl.constexpr):
+def pair_matrix(X, Y, b_g, rows, cols, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
     """A[t, s] = sum_m X[t, m] Y[s, m] e^{G[t,m] - G[s,m]} on s <= t, 0 above the diagonal."""
+    BT: tl.constexpr = X.shape[0]
     A = tl.where(rows[:, None] == cols[None, :], tl.sum(X * Y, axis=1)[:, None], 0.)
     for lvl in tl.static_range(LEVELS):
-        e_row, e_col, pair = level(b_g, b_gn, rows, cols, BT, BM, BT >> lvl)
-        A += tl.where(pair, tl.dot(X * e_row, tl.trans(Y * e_col), input_precision=PREC), 0.)
+        e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
+        A += tl.where(pair, mm(X * e_row, tl.trans(Y * e_col), BF16, PREC), 0.)
     return A
 
 
 @triton.jit
-def slot_logits(q, k, hk, hbase, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
+def slot_logits(q, k, hk, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
                 H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr, zp=None, NZP: tl.constexpr = 0):
+                BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, zp=None,
+                NZP: tl.constexpr = 0):
     """Unscaled slot logits Zr = q Hk_t of a chunk ([BT, BM]) and A1 = q k^T: the chunk-start state Hk^T (M x K)
     decayed to each row plus the chunk's own writes. NZP > 0 (stateless forward): q Hk^T comes as the key scan's
     NZP parts in zp (scan_tile's LOGITS) instead of from the state."""
@@ -128,12 +145,16 @@ def slot_logits(q, k, hk, hbase, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, c
         m_k = ck < K
         b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-        A1 += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        A1 += mm(b_q, tl.trans(b_k), BF16, PREC)
         if NZP == 0:
-            QH += tl.dot(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), input_precision=PREC)
+            QH += mm(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), BF16, PREC)
+    if NZP == 0:
+        return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, BF16, PREC), A1
+    # the parts loaded after the chunk's own writes are summed (fewer registers live through the levels)
+    Zr = gated_sum(QH, A1, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
     for i in tl.static_range(NZP):   # (in order: the same sum every run)
         QH += load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m)
-    return tl.exp(G) * QH + gated_sum(A1, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC), A1
+    return Zr + tl.exp(from_start(b_g, rows)) * QH, A1
 
 
 @triton.jit
@@ -262,10 +283,10 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
-    b_g, b_gn = load_gates(g, tok, i_h, H, M, cm, m_t, m_m, eos, rows, BT)
+    b_g = load_rows(g, tok, i_h, H, M, cm, m_t, m_m)   # padded rows read 0
     tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_sE = b_s * tl.exp(tl.cumsum(b_gn, axis=0, reverse=True))
+    b_sE = b_s * tl.exp(to_end(b_g, rows))
     if SPLIT:
         store_split(sE, b_sE, tok, i_h, H, M, cm, m_t, m_m)
     else:
@@ -276,8 +297,8 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
 @triton.jit
 def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2_out, pe_out, zp, scale, TT,
              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-             BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, PREC: tl.constexpr,
-             PASS: tl.constexpr, NZP: tl.constexpr):
+             BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
+             PREC: tl.constexpr, PASS: tl.constexpr, NZP: tl.constexpr):
     """Per chunk, g slot-major (load_gates_by_chunk). Two launches, so that fewer registers are live in each:
     PASS "softmax": the slot logits Zr, the softmax p and A1 = q k^T, kept for the backward;
     PASS "output":  (stored states) A2 (p against s, kept for the backward) and the output, from p;
@@ -290,12 +311,11 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g, b_gn = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
-    G = tl.cumsum(b_g, axis=0)
+    b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     hbase = (i_c * H + i_h).to(tl.int64) * M
     if PASS == "softmax":
-        Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, b_gn, G, tok, i_h, m_t, rows, cols, cm, m_m,
-                             H, K, M, BT, BK, BM, LEVELS, PREC, zp, NZP)
+        Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
+                             H, K, M, BT, BK, BM, LEVELS, BF16, PREC, zp, NZP)
         P = slot_softmax(scale * Zr, m_t, m_m)
         # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
         store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
@@ -304,9 +324,9 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
     else:
         # a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
         P = load_rows(p_out, tok, i_h, H, M, cm, m_t, m_m)
-        A2 = pair_matrix(P, b_s, b_g, b_gn, rows, cols, BT, BM, LEVELS, PREC)
+        A2 = pair_matrix(P, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
         store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
-        Pe = P * tl.exp(G)
+        Pe = P * tl.exp(from_start(b_g, rows))
         if PASS == "decayed":
             store_rows(pe_out, Pe, tok, i_h, H, M, cm, m_t, m_m)
         else:
@@ -314,6 +334,5 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
                 cv = i_v * BV + tl.arange(0, BV)
                 m_v = cv < V
                 b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-                b_o = tl.dot(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), input_precision=PREC) \
-                    + tl.dot(A2, b_v, input_precision=PREC)
+                b_o = mm(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), BF16, PREC) + mm(A2, b_v, BF16, PREC)
                 store_rows(o, b_o, tok, i_h, H, V, cv, m_t, m_v)

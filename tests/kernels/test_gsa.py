@@ -324,9 +324,9 @@ def test_gpu_matches_cpu_torch_path():
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
 
 
-# Both forward regimes and other scan tiles, in bf16 on the GPU.
+# Both forward regimes, other scan tiles and fp32-operand products, in bf16 on the GPU.
 VARIANTS = [dict(stateless_forward=True), dict(stateless_forward=False), dict(scan_bd=16), dict(scan_bd=64),
-            dict(stateless_forward=True, key_scan_bd=32, out_scan_bd=32)]
+            dict(stateless_forward=True, key_scan_bd=32, out_scan_bd=32), dict(bf16_products=False)]
 
 
 @gpu
