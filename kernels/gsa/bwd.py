@@ -12,8 +12,10 @@ Chunk-start states are recomputed by the forward's _state_scan (between the pass
               within the chunk.
   _bwd_dkvsg  (per chunk and head): dq, dk, dv, ds and the log gate (reverse cumulative sum within the chunk); it
               forms no pairwise decay, only streams the states and the features.
-The per-chunk kernels' decays are span sums (fwd.span_sums: products with a 0/1 matrix) and, for bf16 inputs, their
-products take bf16 operands with fp32 accumulation (BF16); the reverse scans' products do not.
+The per-chunk kernels' decays are span sums (fwd.span_sums: products with a 0/1 matrix). For bf16 inputs the
+products of features and pair matrices take bf16 operands with fp32 accumulation (BF16); those that carry the
+logits' gradient (dP's gated sum, dA1's levels), those with a state or state gradient, and the reverse scans' keep
+fp32 operands.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
         m_v = cv < V
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         D2 += mm(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), BF16, PREC)
-        dPH += mm(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), BF16, PREC)
+        dPH += tl.dot(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), input_precision=PREC)
     store_rows(d2_out, D2, tok, i_h, H, BT, cols, m_t, cols < BT)
-    dP = gated_sum(eG * dPH, D2, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
+    dP = gated_sum(eG * dPH, D2, b_s, b_g, rows, cols, LEVELS, PREC)
     dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
     # Every term of Zr[t, m] and every use of p[t, m] carries e^{+G[t, m]}: the row part of dG.
     store_rows(dg, dZr * Zr + P * dP, tok, i_h, H, M, cm, m_t, m_m)
@@ -85,7 +87,8 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     dA1 = tl.where(rows[:, None] == cols[None, :], tl.sum(dZr * b_s, axis=1)[:, None], 0.)
     for lvl in tl.static_range(LEVELS):
         e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
-        dA1 += tl.where(pair, mm(dZr * e_row, tl.trans(b_s * e_col), BF16, PREC), 0.)
+        # fp32 operands: dA1 carries the logits' gradient (gated_sum)
+        dA1 += tl.where(pair, tl.dot(dZr * e_row, tl.trans(b_s * e_col), input_precision=PREC), 0.)
     store_rows(da1_out, dA1, tok, i_h, H, BT, cols, m_t, m_c)
     A1 = load_rows(a1, tok, i_h, H, BT, cols, m_t, m_c)
     D2 = load_rows(d2, tok, i_h, H, BT, cols, m_t, m_c)
@@ -130,11 +133,11 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         b_h = load_state(hk, hbase * K, cm, ck, K, m_m, m_k)
         b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
-        dS_end += mm(b_k, tl.trans(b_dh), BF16, PREC)
+        dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
-        b_dq = mm(dZe, b_h, BF16, PREC) + mm(dA1, b_k, BF16, PREC)
+        b_dq = tl.dot(dZe, b_h, input_precision=PREC) + mm(dA1, b_k, BF16, PREC)
         store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
-        b_dk = mm(tl.trans(dA1), b_q, BF16, PREC) + mm(s_end, b_dh, BF16, PREC)
+        b_dk = mm(tl.trans(dA1), b_q, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
@@ -142,9 +145,9 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
         b_dh = load_state(dhv, hbase * V, cm, cv, V, m_m, m_v)
-        dS_end += mm(b_v, tl.trans(b_dh), BF16, PREC)
+        dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(load_state(hv, hbase * V, cm, cv, V, m_m, m_v) * b_dh, axis=1)
-        b_dv = mm(tl.trans(A2), b_do, BF16, PREC) + mm(s_end, b_dh, BF16, PREC)
+        b_dv = mm(tl.trans(A2), b_do, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end
     b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)

@@ -17,8 +17,10 @@ Every exp() argument is a sum of log gates (<= 0) over its own span, never a dif
 e^{G_t}, e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums.
 The per-chunk kernels form these sums as products with a 0/1 matrix (span_sums, as tl_utils.run_sums), clamped to
 <= 0 against rounding. Masked entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed
-sequences [1, T_total, H, *]; states, gates and softmax are fp32. For bf16 inputs the per-chunk kernels' products
-take bf16 operands with fp32 accumulation (tl_utils.mm, BF16; Settings.bf16_products); the scans' do not.
+sequences [1, T_total, H, *]; states, gates and softmax are fp32. For bf16 inputs (Settings.bf16_products) the
+per-chunk kernels' products of features, pair matrices and the output's A2 take bf16 operands with fp32
+accumulation (tl_utils.mm, BF16); the slot logits' gated sum, the products with a state and the scans' keep fp32
+operands (README, Numerics).
 """
 
 from __future__ import annotations
@@ -109,13 +111,15 @@ def level(b_g, rows, cols, BS: tl.constexpr):
 
 
 @triton.jit
-def gated_sum(Y, A, X, b_g, rows, cols, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
-    """Y[t, m] + sum_{s<=t} A[t, s] e^{G[t,m] - G[s,m]} X[s, m]. A's upper triangle is never read."""
+def gated_sum(Y, A, X, b_g, rows, cols, LEVELS: tl.constexpr, PREC: tl.constexpr):
+    """Y[t, m] + sum_{s<=t} A[t, s] e^{G[t,m] - G[s,m]} X[s, m]. A's upper triangle is never read. Products with
+    fp32 operands whatever the inputs: this forms the slot logits Zr and, in the backward, dP, and the softmax turns
+    an absolute error of a logit into a relative error of p (bf16 operands here took dq, ds and dg past 5e-3)."""
     BT: tl.constexpr = A.shape[0]
     Y += diag_of(A, rows, cols)[:, None] * X
     for lvl in tl.static_range(LEVELS):
         e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
-        Y += e_row * mm(tl.where(pair, A, 0.), X * e_col, BF16, PREC)
+        Y += e_row * tl.dot(tl.where(pair, A, 0.), X * e_col, input_precision=PREC)
     return Y
 
 
@@ -147,11 +151,11 @@ def slot_logits(q, k, hk, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         A1 += mm(b_q, tl.trans(b_k), BF16, PREC)
         if NZP == 0:
-            QH += mm(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), BF16, PREC)
+            QH += tl.dot(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), input_precision=PREC)
     if NZP == 0:
-        return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, BF16, PREC), A1
+        return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, PREC), A1
     # the parts loaded after the chunk's own writes are summed (fewer registers live through the levels)
-    Zr = gated_sum(QH, A1, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
+    Zr = gated_sum(QH, A1, b_s, b_g, rows, cols, LEVELS, PREC)
     for i in tl.static_range(NZP):   # (in order: the same sum every run)
         QH += load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m)
     return Zr + tl.exp(from_start(b_g, rows)) * QH, A1
@@ -334,5 +338,6 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
                 cv = i_v * BV + tl.arange(0, BV)
                 m_v = cv < V
                 b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-                b_o = mm(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), BF16, PREC) + mm(A2, b_v, BF16, PREC)
+                b_o = tl.dot(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), input_precision=PREC) \
+                    + mm(A2, b_v, BF16, PREC)
                 store_rows(o, b_o, tok, i_h, H, V, cv, m_t, m_v)

@@ -260,6 +260,18 @@ def test_triton_interpreter_bf16_split_scans(interp):
     assert_close(got, ref, GPU_TOL, "bf16")
 
 
+def test_triton_interpreter_bf16_products_stress(interp):
+    # bf16 inputs take bf16 products where the kernel allows them; the interpreter rounds their operands as the GPU
+    # does (tl_utils.round_bf16) and multiplies exactly, so their error shows on CPU: within the bf16 bar under the
+    # stress gates (and visibly apart from the same kernel's fp32-operand products, so they did run)
+    xs, h0 = make_inputs(1, 200, 2, 64, 64, 64, dtype=torch.bfloat16, decay="stress", seed=17)
+    ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0)
+    got = run(interp, xs, h0, 1.0)
+    assert_close(got, ref, GPU_TOL, "bf16 products, stress")
+    fp32_products = run(interp, xs, h0, 1.0, settings=Settings(bf16_products=False))
+    assert max(common.rel_rmse(g, f) for g, f in zip(got, fp32_products) if f is not None) > 1e-3
+
+
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
 
 gpu = pytest.mark.gpu
