@@ -1,0 +1,45 @@
+"""One bf16 forward + backward of a chunk op on the GPU, small enough to run under compute-sanitizer: a kernel build
+that reads or writes out of bounds (as Triton 3.6 once compiled an 8-warp kernel with bf16 products) shows as
+memcheck errors.
+
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 1,512,4,64,64,64   # B,T,H,K,V,M
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py rwkv7 1,512,4,64,64    # B,T,H,K,V
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("op", choices=["rwkv7", "gsa", "rwkv6"])
+    p.add_argument("shape", help="the op's test shape: B,T,H,K,V (rwkv7, rwkv6) or B,T,H,K,V,M (gsa)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.exit(2, "sanitize_kernel: needs a CUDA GPU\n")
+    try:
+        shape = tuple(int(n) for n in args.shape.split(","))
+    except ValueError:
+        p.exit(2, f"sanitize_kernel: shape must be integers joined by commas, got {args.shape!r}\n")
+    make_inputs = importlib.import_module(f"tests.kernels.test_{args.op}").make_inputs
+    op = getattr(importlib.import_module(f"kernels.{args.op}"), f"chunk_{args.op}")
+    if len(shape) != (6 if args.op == "gsa" else 5):
+        p.exit(2, f"sanitize_kernel: wrong number of sizes for {args.op}: {args.shape}\n")
+    xs, _ = make_inputs(*shape, device="cuda", dtype=torch.bfloat16)
+    xs = [x.requires_grad_() if x.is_floating_point() else x for x in xs]
+    out = op(*xs)
+    (out[0] if isinstance(out, tuple) else out).float().square().sum().backward()
+    torch.cuda.synchronize()
+    print(args.op, args.shape, "forward and backward ran")
+
+
+if __name__ == "__main__":
+    main()
