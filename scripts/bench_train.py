@@ -14,7 +14,9 @@ from the start of a rank's process to the end of its first step (imports, buildi
 For an RWKV-7 or GSA config, FLA's RWKV7ForCausalLM / GSAForCausalLM of the same shape run too, on one GPU at their
 best setting (scripts/bench_fla_train.py: bf16 autocast, fused AdamW; FLA's activation checkpointing only where
 they do not fit without), in a fresh process under --timeout. Their MFU counts our model's FLOPs per token. Their rows
-are left out, with a note, when fla is not installed, there is no GPU, or they fail or time out.
+are left out, with a note, when fla is not installed, there is no GPU, or they fail or time out; a note gives the time
+of their first step alone (FLA's autotuning, which Triton's cache keeps, so that a second run, even after a timeout,
+starts further on).
 """
 
 from __future__ import annotations
@@ -183,6 +185,9 @@ def print_table(rows: list, notes: list[str], steps: int, counts: list[int]) -> 
         first = "n/a" if r.get("time_to_first_step_sec") is None else f"{r['time_to_first_step_sec']:.1f}"
         print(f"{model:<18} {n:>5} {variant:<12} {tps:>13,.0f} {scaling:>8} {mfu:>7} {r['memory_gib']:>9.1f} "
               f"{first:>10} {r['loss']:>8.3f}")
+        if r.get("first_step_sec") is not None:  # FLA's rows
+            notes.append(f"{model} {variant}: step 1 alone took {r['first_step_sec']:.1f} s (FLA's Triton autotuning "
+                         "and kernel compiles; the autotuning is cached for later runs)")
     for note in notes:
         print(note)
 
