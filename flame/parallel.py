@@ -141,10 +141,13 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
         # the last block's parameters are needed again right away by backward: keep them gathered
         fully_shard(block, mesh=d.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < n - 1)
     fully_shard(model, mesh=d.fsdp_mesh, mp_policy=mp)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM, NCCL's is zero-copy
+    # Over one rank there is nothing to reduce and FSDP divides by nothing unless told a factor: even a factor of 1.0
+    # costs a pass over every gradient there (FSDP's single-rank path divides, then copies).
+    if d.fsdp_mesh.size() > 1:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM, NCCL's is zero-copy
     return model
 
 

@@ -2,8 +2,8 @@
 
 A global batch of 16 synthetic sequences whose numbers of ignored labels differ per sequence is trained for one
 step as (micro 16, GA 1, 1 rank), (micro 4, GA 4, 1 rank), (micro 2, GA 4, 2 ranks FSDP) and (micro 2, GA 4,
-2 ranks HSDP). Each run's logged loss and parameters are compared with a plain single-process PyTorch reference:
-mean cross entropy over every target token, one clipped AdamW step.
+2 ranks HSDP). Each run's logged loss, gradient norm and parameters are compared with a plain single-process PyTorch
+reference: mean cross entropy over every target token, one clipped AdamW step.
 """
 
 import math
@@ -25,8 +25,9 @@ STEPS = 2
 
 
 def reference(cfg):
-    """Per-step losses of the global batches and the parameters after STEPS clipped AdamW steps, computed with no
-    trainer code but the model itself; also what a trainer averaging micro-batch means would log at the last step."""
+    """Per-step losses and gradient norms (before clipping) of the global batches and the parameters after STEPS
+    clipped AdamW steps, computed with no trainer code but the model itself; also what a trainer averaging
+    micro-batch means would log at the last step."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     model.to_empty(device="cpu")
@@ -34,7 +35,7 @@ def reference(cfg):
     model.init_weights()
     o = cfg.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.0)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(STEPS):
         pairs = [synthetic_sample(cfg.training.seed, step, i, cfg.training.seq_len, cfg.model.vocab_size)
                  for i in range(GLOBAL_BATCH)]
@@ -46,10 +47,10 @@ def reference(cfg):
         mean_of_means = torch.stack(micro_means).mean().item()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm).item())
         opt.step()
         losses.append(loss.item())
-    return losses, mean_of_means, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, grad_norms, mean_of_means, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # a constant lr, so the reference needs no schedule
@@ -73,7 +74,7 @@ def ref(tmp_path_factory):
 
 @pytest.mark.parametrize("micro,ga,ranks,replicate", SPLITS, ids=lambda v: str(v))
 def test_split_gives_reference_loss_and_update(tmp_path, ref, micro, ga, ranks, replicate):
-    ref_losses, mean_of_means, ref_params = ref
+    ref_losses, ref_grad_norms, mean_of_means, ref_params = ref
     # the setup can catch the bug: averaging micro-batch means (GA 4) is off by over 20x the tolerance (1e-6)
     assert abs(mean_of_means - ref_losses[-1]) / ref_losses[-1] > 20e-6
     assert abs(ref_losses[0] - math.log(512)) / math.log(512) < 0.1
@@ -84,9 +85,11 @@ def test_split_gives_reference_loss_and_update(tmp_path, ref, micro, ga, ranks, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(dump)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for record, ref_loss in zip(records, ref_losses):
+    for record, ref_loss, ref_grad_norm in zip(records, ref_losses, ref_grad_norms):
         assert record["target_tokens"] < GLOBAL_BATCH * 32  # ignored labels really were excluded
         assert record["loss"] == pytest.approx(ref_loss, rel=1e-6)
+        # the gradients' scale itself (clipping and AdamW would hide a gradient summed or averaged once too often)
+        assert record["grad_norm"] == pytest.approx(ref_grad_norm, rel=1e-5)
 
     params = read_checkpoint(dump, STEPS)["model"]
     assert params.keys() == ref_params.keys()
