@@ -21,8 +21,8 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, joint_linear,
-                                 packed_prompts, positions_from_cu_seqlens)
+from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, packed_prompts,
+                                 positions_from_cu_seqlens)
 from kernels.gsa import chunk_gsa
 from kernels.gsa.step import recurrent_step
 
@@ -159,7 +159,7 @@ class GatedSlotAttention(nn.Module):
         continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
-        q, k, v, f = joint_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_proj)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.args.use_short_conv and cache is None:
             q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
         elif self.args.use_short_conv:
@@ -168,7 +168,7 @@ class GatedSlotAttention(nn.Module):
             v = cached_conv(self.v_conv1d, v, cache.v_conv, positions, cu_seqlens)
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
         # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
-        f = F.logsigmoid(f.float()).view(B, T, H, M) / self.args.gate_logit_normalizer
+        f = F.logsigmoid(self.f_proj(x).float()).view(B, T, H, M) / self.args.gate_logit_normalizer
         s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0; the log
         # gate f stays fp32 into the kernel, s (a slot write like k and v) goes in the activations' dtype
         if cache is None:

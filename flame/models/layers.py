@@ -27,14 +27,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def joint_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """Each bias-free linear of the same input x, as one matmul with their weights stacked (the parameters stay the
-    modules' own): one wide GEMM runs nearer the GPU's peak than several narrow ones, and backward sums the input
-    gradients inside its GEMM instead of in a pass of their own. The outputs are column slices of one tensor."""
-    w = torch.cat([m.weight for m in linears])
-    return torch.nn.functional.linear(x, w).split([m.out_features for m in linears], dim=-1)
-
-
 class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), no biases (Llama's MLP; the parameter names are the checkpoints')."""
 
@@ -45,8 +37,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = joint_linear(x, self.gate_proj, self.up_proj)
-        return self.down_proj(torch.nn.functional.silu(gate) * up)
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

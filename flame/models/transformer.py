@@ -11,8 +11,8 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.layers import (LanguageModel, RMSNorm, SwiGLU, apply_rotary, joint_linear,
-                                 positions_from_cu_seqlens, rotary_cos_sin)
+from flame.models.layers import (LanguageModel, RMSNorm, SwiGLU, apply_rotary, positions_from_cu_seqlens,
+                                 rotary_cos_sin)
 
 
 @dataclass
@@ -63,10 +63,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, slots: CacheSlots | None = None):
         B, T, _ = x.shape
-        q, k, v = joint_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        q = apply_rotary(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(B, T, self.n_kv, self.head_dim), cos, sin)
-        v = v.view(B, T, self.n_kv, self.head_dim)
+        q = apply_rotary(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if slots is not None:
             k, v = slots.store(k, v)
