@@ -25,6 +25,7 @@ from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_o
                                  positions_from_cu_seqlens)
 from kernels.gsa import chunk_gsa
 from kernels.gsa.step import recurrent_step
+from kernels.silu_rms_norm import silu_rms_norm
 
 
 @dataclass
@@ -176,8 +177,9 @@ class GatedSlotAttention(nn.Module):
         else:
             o = self.cached_op(q, k, v, s.to(q.dtype), f, cu_seqlens, cache)
         if self.g_proj is None:
-            # fp32 norm over all heads together; its eps matters: at init mean(silu(o)^2) is only ~1e-4
-            o = self.g_norm(F.silu(o.float()).reshape(B, T, C))
+            # RMSNorm(silu(o)) over all heads together, fp32 inside (one fused op); its eps matters: at init
+            # mean(silu(o)^2) is only ~1e-4
+            o = silu_rms_norm(o.reshape(B, T, C), self.g_norm.weight, self.g_norm.eps)
         else:
             o = (self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
         return self.o_proj(o.to(x.dtype))
