@@ -160,7 +160,10 @@ class GatedSlotAttention(nn.Module):
         continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # q, k, v and the gate logits from one matmul against the four weights stacked (the parameters stay the
+        # modules' own): backward then sums the four input gradients inside one GEMM, not in a pass of their own
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_proj.weight])
+        q, k, v, f = F.linear(x, w).split([C, C, C, H * M], dim=-1)
         if self.args.use_short_conv and cache is None:
             q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
         elif self.args.use_short_conv:
@@ -169,7 +172,7 @@ class GatedSlotAttention(nn.Module):
             v = cached_conv(self.v_conv1d, v, cache.v_conv, positions, cu_seqlens)
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
         # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
-        f = F.logsigmoid(self.f_proj(x).float()).view(B, T, H, M) / self.args.gate_logit_normalizer
+        f = F.logsigmoid(f.float()).view(B, T, H, M) / self.args.gate_logit_normalizer
         s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0; the log
         # gate f stays fp32 into the kernel, s (a slot write like k and v) goes in the activations' dtype
         if cache is None:
