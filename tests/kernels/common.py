@@ -32,6 +32,12 @@ def rel_rmse(x, ref) -> float:
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def opcheck(op, args) -> None:
+    """torch.library.opcheck of a custom op's schema, autograd registration and fake against its real outputs. The AOT
+    tracing check is left to each op's torch.compile test (opcheck's own takes about 10 s more)."""
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
 def log_decays(shape, kind: str, gen: torch.Generator) -> torch.Tensor:
     """Per-step log decays (<= 0) beyond the model's range: "wide" 3e-4 .. 4.5 per step; "stress" -1e-6 (decay
     ~ 1) down to -50, mixed in every row and along time."""

@@ -19,7 +19,7 @@ from kernels.rwkv7_key import rwkv7_key
 from kernels.rwkv7_key.op import Settings as KeySettings
 from kernels.rwkv7_out import rwkv7_out
 from kernels.rwkv7_out.op import Settings as OutSettings
-from tests.kernels.common import assert_close
+from tests.kernels.common import assert_close, opcheck
 
 EPS_OUT = 64e-5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
@@ -160,12 +160,9 @@ def test_partial_tiles_and_odd_head_dim():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_opcheck(backend):
-    # schema, autograd registration and the fakes against each path's real outputs; the AOT tracing of the ops and
-    # their backward is test_both_ops_compile_without_graph_break's (opcheck's own takes 10 s more)
+    # schema, autograd registration and the fakes against each path's real outputs (the AOT tracing of the ops and
+    # their backward: test_both_ops_compile_without_graph_break)
     skip_without_interpreter(backend)
-
-    def opcheck(op, args):
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
     gen = torch.Generator().manual_seed(7)
     B, T, H, N = 1, 5, 2, 16

@@ -14,7 +14,7 @@ import torch
 
 from kernels.silu_rms_norm import silu_rms_norm
 from kernels.silu_rms_norm.op import Settings
-from tests.kernels.common import assert_close
+from tests.kernels.common import assert_close, opcheck
 from tests.kernels.test_rwkv7_glue import outputs_and_grads, reference, skip_without_interpreter
 
 EPS = 1e-5
@@ -57,9 +57,6 @@ def test_matches_fp64_reference(backend, C, dtype):
 def test_opcheck(backend):
     # schema, autograd registration and the fakes against each path's real outputs
     skip_without_interpreter(backend)
-
-    def opcheck(op, args):
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
     gen = torch.Generator().manual_seed(2)
     o, w = norm_inputs(1, 6, 32, torch.float32, gen)
