@@ -12,7 +12,8 @@ The whole iteration is recorded (data, forward, backward, clipping, optimizer, l
 check), each step under a `ProfilerStep#<n>` range. The summary gives the wall time (host clock, the device
 synchronized at both ends), the time the device was busy (the union of its kernel, memcpy and memset intervals:
 streams that overlap count once) and so the share it sat idle (launch gaps, host syncs, waits for data or other
-ranks), then the kernels by device time, the host ops by self CPU time and the annotated host ranges (the optimizer
+ranks), then the device time by kind (matmuls, attention, our Triton kernels, Inductor's, copies, the rest), the
+kernels by device time, the host ops by self CPU time and the annotated host ranges (the optimizer
 step, FSDP's all-gathers and reductions, ...). On a CPU, "busy" is the union of the op intervals of all threads.
 
 Disabled, it costs a comparison or two per step and records nothing.
@@ -191,6 +192,29 @@ def busy_seconds(events, on_gpu: bool) -> float:
     return union_us((start, end) for _, start, end in work_in_steps(events, on_gpu)) / 1e6
 
 
+KINDS = ("matmuls (cuBLAS, CUTLASS)", "attention (flash, cuDNN SDPA)", "flame's Triton kernels (kernels/)",
+         "Inductor's kernels (triton_*)", "copies and memsets", "other (PyTorch's own: optimizer, reductions, casts)")
+"""The summary's groups of device work, in its order."""
+
+
+def device_kind(name: str, activity: str) -> str:
+    """Which of KINDS a piece of device work is, by its kernel name (the names CUDA libraries, Inductor and our
+    kernels get: Inductor's start with triton_, ours are the Triton functions of kernels/, _fwd_prep and the like)."""
+    low = name.lower()
+    if activity in ("gpu_memcpy", "gpu_memset"):
+        return KINDS[4]
+    if name.startswith("triton_"):
+        return KINDS[3]
+    if any(s in low for s in ("flash", "fmha", "sdpa")):
+        return KINDS[1]
+    if low.startswith(("nvjet", "sm90_xmma", "sm80_xmma", "ampere_")) or any(
+            s in low for s in ("gemm", "cutlass", "cublas", "splitkreduce")):
+        return KINDS[0]
+    if name.startswith("_") and not name.startswith("_Z"):   # (_Z: a mangled C++ name)
+        return KINDS[2]
+    return KINDS[5]
+
+
 def _name(name: str) -> str:
     return name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 3] + "..."
 
@@ -221,6 +245,14 @@ def summary(events, averages, busy: float, *, steps: range, marks: list[float], 
         lines.append(f"{'device time, summed':<22}{sum(kinds.values()):10.4f} s            "
                      + ", ".join(f"{k} {v:.4f} s" for k, v in sorted(kinds.items()))
                      + " (more than busy where streams overlap)")
+        by_kind = defaultdict(float)
+        for e, start, end in work:
+            by_kind[device_kind(e.name, getattr(e, "activity_type", "kernel"))] += end - start
+        summed = sum(by_kind.values())
+        lines += ["", "device time by kind, per step (summed over streams)",
+                  f"{'device ms':>10} {'% summed':>9}  kind"]
+        lines += [f"{by_kind[k] / 1e3 / n:10.3f} {100 * by_kind[k] / max(summed, 1e-12):8.1f}%  {k}"
+                  for k in KINDS if k in by_kind]
         lines += ["", f"top {TOP_DEVICE} kernels, copies and memsets by device time",
                   f"{'device ms':>10} {'% busy':>7} {'calls':>7}  name"]
         per_name: dict[str, list] = defaultdict(lambda: [0.0, 0])

@@ -114,6 +114,28 @@ def test_gpu_busy_is_the_union_of_device_intervals_within_the_steps():
     assert kernels[0].split()[:3] == ["0.350", "53.8%", "2"]  # 300 us + the 50 us inside the step
 
 
+def test_device_time_by_kind():
+    # one piece of work of each kind over two steps (per step: half), and names that only look like ours
+    from flame.profiling import KINDS, device_kind
+    work = [("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", 100, 300, "kernel"),
+            ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", 300, 500, "kernel"),
+            ("_fwd_prep", 500, 600, "kernel"), ("triton_poi_fused_add_0", 600, 650, "kernel"),
+            ("Memcpy DtoD (Device -> Device)", 650, 700, "gpu_memcpy"),
+            ("void at::native::reduce_kernel<128, 4>", 700, 750, "kernel")]
+    assert [device_kind(n, a) for n, _, _, a in work] == list(KINDS)
+    assert device_kind("_ZN2at6native18elementwise_kernelE", "kernel") == KINDS[5]
+    assert device_kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>", "kernel") == KINDS[0]
+    events = EventList([fake_event("ProfilerStep*", 100, 1100, "user_annotation")]
+                       + [fake_event(*w) for w in work], use_device="cuda")
+    events._build_tree()
+    text = summary(events, events.key_averages(), busy_seconds(events, on_gpu=True), steps=range(2, 4),
+                   marks=[0.0, 0.0005, 0.001], rank=0, device=torch.device("cuda"))
+    block = text.split("per step (summed over streams)\n")[1].split("\n\n")[0].splitlines()[1:]
+    assert [line.split(None, 2)[2] for line in block] == list(KINDS)
+    assert [float(line.split()[0]) for line in block] == [0.1, 0.1, 0.05, 0.025, 0.025, 0.025]
+    assert block[0].split()[1] == "30.8%"   # 200 of 650 us
+
+
 @pytest.mark.parametrize("override,expected", [("--profiling.start_step=0", "an integer >= 1, got 0"),
                                                ("--profiling.steps=0", "an integer >= 1, got 0"),
                                                ("--profiling.enable=yes", "true or false, got 'yes'")])
