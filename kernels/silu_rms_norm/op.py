@@ -30,7 +30,7 @@ class Settings(TextSettings):
     """Rows per program of the forward."""
     bwd_rows: int = 1
     """Rows per tile of the backward. It holds about three times the forward's live tiles: at C = 1280 (tiles of
-    2048 channels), 8 warps and 4 rows it takes 215 registers, one program per SM; 1 row takes 80."""
+    2048 channels), 8 warps and 4 rows it takes 215 registers, one program per SM; 1 row takes 92."""
     bwd_tiles: int = 16
     """Tiles each backward program walks: the partial sums of dw have rows / (bwd_rows bwd_tiles) rows."""
     warps: int = 8
