@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -11,6 +12,14 @@ import torch
 def is_interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on CPU tensors through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def uses_triton(x: torch.Tensor, backend: str) -> bool:
+    """Whether an op with a Triton and a PyTorch path (rwkv7_key, rwkv7_out, silu_rms_norm) runs Triton: backend
+    'triton' forces it, 'torch' the PyTorch path, 'auto' takes Triton for CUDA tensors where Triton is installed."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    return backend == "triton" or (backend == "auto" and x.is_cuda and importlib.util.find_spec("triton") is not None)
 
 
 def next_pow2(n: int) -> int:

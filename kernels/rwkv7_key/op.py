@@ -18,7 +18,7 @@ from torch import Tensor
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.rwkv7_key.naive import naive_rwkv7_key, naive_rwkv7_key_bwd
-from kernels.utils import next_pow2
+from kernels.utils import next_pow2, uses_triton
 
 
 @dataclass(frozen=True)
@@ -66,16 +66,10 @@ def _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim: int, s: Se
     return dk.view(k.shape), da_pre.view(a_pre.shape), dk_k.to(k_k.dtype), dk_a.to(k_a.dtype)
 
 
-def _use_triton(x: Tensor, backend: str) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    return backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None)
-
-
 @torch.library.custom_op("flame::rwkv7_key", mutates_args=())
 def _key(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, backend: str,
          settings: str) -> tuple[Tensor, Tensor, Tensor]:
-    if _use_triton(k, backend):
+    if uses_triton(k, backend):
         return _fwd_triton(k, a_pre, k_k, k_a, head_dim, Settings.decode(settings))
     return _contiguous(naive_rwkv7_key(k, a_pre, k_k, k_a, head_dim))
 
@@ -93,7 +87,7 @@ def _(k, a_pre, k_k, k_a, head_dim, backend, settings):
 @torch.library.custom_op("flame::rwkv7_key_bwd", mutates_args=())
 def _key_bwd(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, dk_new: Tensor, dneg_kk: Tensor, dkk_a: Tensor,
              head_dim: int, backend: str, settings: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if _use_triton(k, backend):
+    if uses_triton(k, backend):
         return _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, Settings.decode(settings))
     return _contiguous(naive_rwkv7_key_bwd(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim))
 

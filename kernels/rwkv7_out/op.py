@@ -19,7 +19,7 @@ from torch import Tensor
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.rwkv7_out.naive import naive_rwkv7_out, naive_rwkv7_out_bwd
-from kernels.utils import next_pow2
+from kernels.utils import next_pow2, uses_triton
 
 
 @dataclass(frozen=True)
@@ -72,16 +72,10 @@ def _bwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps: float, s: Settings):
     return do, dr, dk, dv, dr_k, dln_w, dln_b, dg
 
 
-def _use_triton(x: Tensor, backend: str) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    return backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None)
-
-
 @torch.library.custom_op("flame::rwkv7_out", mutates_args=())
 def _out(o: Tensor, r: Tensor, k: Tensor, v: Tensor, r_k: Tensor, ln_w: Tensor, ln_b: Tensor, g: Tensor, eps: float,
          backend: str, settings: str) -> Tensor:
-    if _use_triton(g, backend):
+    if uses_triton(g, backend):
         return _fwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, eps, Settings.decode(settings))
     # contiguous, as the fakes say (elementwise ops on strided inputs keep their strides)
     return naive_rwkv7_out(o, r, k, v, r_k, ln_w, ln_b, g, eps).contiguous()
@@ -96,7 +90,7 @@ def _(o, r, k, v, r_k, ln_w, ln_b, g, eps, backend, settings):
 def _out_bwd(o: Tensor, r: Tensor, k: Tensor, v: Tensor, r_k: Tensor, ln_w: Tensor, ln_b: Tensor, g: Tensor,
              dy: Tensor, eps: float, backend: str, settings: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                            Tensor, Tensor, Tensor]:
-    if _use_triton(g, backend):
+    if uses_triton(g, backend):
         return _bwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps, Settings.decode(settings))
     return tuple(x.contiguous() for x in naive_rwkv7_out_bwd(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps))
 

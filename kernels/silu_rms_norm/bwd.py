@@ -7,7 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.silu_rms_norm.fwd import norm_terms, row_tile
+from kernels.silu_rms_norm.fwd import norm_terms
+from kernels.tl_utils import head_tile
 
 
 @triton.jit
@@ -19,12 +20,12 @@ def _silu_norm_bwd(o, w, dy, do, dw_part, M, eps, C: tl.constexpr, BT: tl.conste
     acc = tl.zeros([BC], dtype=tl.float32)
     # Each tile's o and dy are loaded one tile ahead: a tile's work waits on its two row sums, and the next loads
     # then run under it instead of after it
-    offs_next, mask_next, _, _ = row_tile(i_p * TILES, M, C, BT, BC)
+    offs_next, mask_next, _, _ = head_tile(i_p * TILES, 0, M, C, C, BT, BC)
     o_next = tl.load(o + offs_next, mask=mask_next, other=0.)
     dy_next = tl.load(dy + offs_next, mask=mask_next, other=0.)
     for j in range(TILES):
         offs, mask, o_j, dy_j = offs_next, mask_next, o_next, dy_next
-        offs_next, mask_next, _, _ = row_tile(i_p * TILES + j + 1, M, C, BT, BC)
+        offs_next, mask_next, _, _ = head_tile(i_p * TILES + j + 1, 0, M, C, C, BT, BC)
         mask_next = mask_next & (j + 1 < TILES)
         o_next = tl.load(o + offs_next, mask=mask_next, other=0.)
         dy_next = tl.load(dy + offs_next, mask=mask_next, other=0.)

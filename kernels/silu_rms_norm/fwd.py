@@ -5,14 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def row_tile(i_t, M, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Offsets [BT, BC] of rows i_t BT.. of a [M, C] tensor, their mask, the channels and the channel mask."""
-    rows = i_t * BT + tl.arange(0, BT)
-    ch = tl.arange(0, BC)
-    m_c = ch < C
-    return rows[:, None].to(tl.int64) * C + ch[None, :], (rows < M)[:, None] & m_c[None, :], ch, m_c
+from kernels.tl_utils import head_tile
 
 
 @triton.jit
@@ -27,7 +20,7 @@ def norm_terms(o, eps, C: tl.constexpr):
 
 @triton.jit
 def _silu_norm_fwd(o, w, y, M, eps, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    offs, mask, ch, m_c = row_tile(tl.program_id(0), M, C, BT, BC)
+    offs, mask, ch, m_c = head_tile(tl.program_id(0), 0, M, C, C, BT, BC)   # a row is one "head" of C channels
     _, u, rstd = norm_terms(tl.load(o + offs, mask=mask, other=0.), eps, C)
     wf = tl.load(w + ch, mask=m_c, other=0.).to(tl.float32)[None, :]
     tl.store(y + offs, (u * rstd * wf).to(y.dtype.element_ty), mask=mask)

@@ -18,7 +18,7 @@ from torch import Tensor
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.silu_rms_norm.naive import naive_silu_rms_norm, naive_silu_rms_norm_bwd
-from kernels.utils import next_pow2
+from kernels.utils import next_pow2, uses_triton
 
 
 @dataclass(frozen=True)
@@ -63,15 +63,9 @@ def _bwd_triton(o: Tensor, w: Tensor, dy: Tensor, eps: float, s: Settings) -> tu
     return do.view(o.shape), part.sum(0).to(w.dtype)
 
 
-def _use_triton(x: Tensor, backend: str) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    return backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None)
-
-
 @torch.library.custom_op("flame::silu_rms_norm", mutates_args=())
 def _norm(o: Tensor, w: Tensor, eps: float, backend: str, settings: str) -> Tensor:
-    if _use_triton(o, backend):
+    if uses_triton(o, backend):
         return _fwd_triton(o, w, eps, Settings.decode(settings))
     return naive_silu_rms_norm(o, w, eps).contiguous()
 
@@ -83,7 +77,7 @@ def _(o, w, eps, backend, settings):
 
 @torch.library.custom_op("flame::silu_rms_norm_bwd", mutates_args=())
 def _norm_bwd(o: Tensor, w: Tensor, dy: Tensor, eps: float, backend: str, settings: str) -> tuple[Tensor, Tensor]:
-    if _use_triton(o, backend):
+    if uses_triton(o, backend):
         return _bwd_triton(o, w, dy, eps, Settings.decode(settings))
     return tuple(x.contiguous() for x in naive_silu_rms_norm_bwd(o, w, dy, eps))
 
