@@ -160,10 +160,16 @@ class GatedSlotAttention(nn.Module):
         continue their cached sequences; the cached pass reads and updates the cache in place."""
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
-        # q, k, v and the gate logits from one matmul against the four weights stacked (the parameters stay the
-        # modules' own): backward then sums the four input gradients inside one GEMM, not in a pass of their own
-        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_proj.weight])
-        q, k, v, f = F.linear(x, w).split([C, C, C, H * M], dim=-1)
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.f_proj)
+        if cache is None:
+            # training: q, k, v and the gate logits from one matmul against the four weights stacked (the parameters
+            # stay the modules' own), so backward sums the four input gradients inside one GEMM, not in a pass of
+            # their own. Cached passes (decoding) skip the stacking: for a few tokens, copying the weights costs
+            # more than the matmul that reads them.
+            w = torch.cat([p.weight for p in projections])
+            q, k, v, f = F.linear(x, w).split([p.out_features for p in projections], dim=-1)
+        else:
+            q, k, v, f = (p(x) for p in projections)
         if self.args.use_short_conv and cache is None:
             q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
         elif self.args.use_short_conv:
