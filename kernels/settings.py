@@ -35,6 +35,10 @@ def parse(items: list[str]) -> dict:
             value = ast.literal_eval(text.strip())      # 8, True, None, 'bf16'
         except (ValueError, SyntaxError):
             value = text.strip()                         # bf16
+        if isinstance(getattr(OPS[op].settings_type()(), field), bool):   # a bare word would be a truthy string
+            value = {"true": True, "false": False}.get(str(value).lower(), value)
+            if not isinstance(value, bool):
+                raise ValueError(f"kernel setting {item!r}: {op}.{field} is true or false")
         changes.setdefault(op, {})[field] = value
     return {op: OPS[op].settings_type()(**kw) for op, kw in changes.items()}
 

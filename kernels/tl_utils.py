@@ -117,6 +117,33 @@ def load_state(ptr, base, rows, cols, D: tl.constexpr, m_r, m_c):
     return tl.load(ptr + base + rows[:, None] * D + cols[None, :], mask=m_r[:, None] & m_c[None, :], other=0.)
 
 
+@triton.jit
+def load_scaled_state(ptr, scales, base, rows, c0, D: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr, m_r):
+    """The fp32 [BR, BD] tile at columns c0 + arange(BD) (c0 a multiple of BD) of a state stored by
+    store_scaled_state (fp16 and a power of two per row and group of SC >= BD columns): one scale per row."""
+    tl.static_assert(SC >= BD)
+    cols = c0 + tl.arange(0, BD)
+    x = tl.load(ptr + base + rows[:, None] * D + cols[None, :], mask=m_r[:, None] & (cols < D)[None, :], other=0.)
+    NS: tl.constexpr = (D + SC - 1) // SC
+    return x.to(tl.float32) * tl.load(scales + (base // D + rows) * NS + c0 // SC, mask=m_r, other=0.)[:, None]
+
+
+@triton.jit
+def store_scaled_state(ptr, scales, base, rows, cols, x, D: tl.constexpr, SC: tl.constexpr, i_g, m_r, m_c):
+    """An fp32 [BR, SC] tile x (columns cols = group i_g of SC) of an [R, D] state as fp16 x / 2^e per row, with
+    2^e (fp32) in `scales` ([R, cdiv(D, SC)] after base // D rows): e = floor(log2(row max |x|)) - 14 puts each row's
+    largest value in [2^14, 2^15), so none overflows and every value down to 2^-28 of its row's largest keeps fp16's
+    11 significant bits (as many as a tf32 product reads); smaller ones keep an absolute error below 2^-39 of it."""
+    top = tl.max(tl.abs(x), axis=1)
+    # 2^floor(log2(top)) from the exponent bits (exact; 0 for 0 and subnormals, kept >= 2^-100 so that 1/2^e stays
+    # finite)
+    p2 = tl.maximum((top.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True), 7.888609052210118e-31)
+    NS: tl.constexpr = (D + SC - 1) // SC
+    tl.store(ptr + base + rows[:, None] * D + cols[None, :], (x * (16384. / p2)[:, None]).to(tl.float16),
+             mask=m_r[:, None] & m_c[None, :])
+    tl.store(scales + (base // D + rows) * NS + i_g, p2 * (1. / 16384.), mask=m_r)
+
+
 # The halving levels of a chunk's pairwise decays. Level by level, blocks of BS = BT, BT/2, ..., 2 rows: the pairs
 # (t in a block's second half, s in its first half) factor through the block's middle, e^{G_t - G_s} =
 # e^{G_t - G_m} e^{G_m - G_s}, each factor a sum of log decays over at most BS/2 steps, never a difference of two

@@ -23,14 +23,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gsa.fwd import from_start, gated_sum, level, load_gates_by_chunk, store_split, to_end
-from kernels.tl_utils import chunk_program, diag_of, load_rows, load_state, mm, spare_chunk, store_rows
+from kernels.gsa.fwd import chunk_state, from_start, gated_sum, level, load_gates_by_chunk, store_split, to_end
+from kernels.tl_utils import chunk_program, diag_of, load_rows, mm, spare_chunk, store_rows
 
 
 @triton.jit
-def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out, d2_out, scale, TT,
+def _bwd_dz(v, s, g, do, cu, chunk_index, hv, hv_sc, p, z, dz_out, dg, pe_out, dze_out, d2_out, scale, TT,
             H: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+            BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+            SC: tl.constexpr):
     """g slot-major (load_gates_by_chunk). Also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for
     _bwd_pairs, and the reverse scans' weights p e^{G} and dZr e^{G} (split in bf16 halves with SPLIT)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -52,7 +53,8 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, p, z, dz_out, dg, pe_out, dze_out,
         m_v = cv < V
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         D2 += mm(b_do, tl.trans(load_rows(v, tok, i_h, H, V, cv, m_t, m_v)), BF16, PREC)
-        dPH += tl.dot(b_do, tl.trans(load_state(hv, hbase * V, cm, cv, V, m_m, m_v)), input_precision=PREC)
+        dPH += tl.dot(b_do, tl.trans(chunk_state(hv, hv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC)),
+                      input_precision=PREC)
     store_rows(d2_out, D2, tok, i_h, H, BT, cols, m_t, cols < BT)
     dP = gated_sum(eG * dPH, D2, b_s, b_g, rows, cols, LEVELS, PREC)
     dZr = scale * P * (dP - tl.sum(P * dP, axis=1)[:, None])
@@ -102,10 +104,10 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
 
 
 @triton.jit
-def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, dk, dv, ds, dg, dsi, a2, da1, TT,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
-               PREC: tl.constexpr):
+def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_sc, dhk_sc, dhv_sc, dz_in, dq, dk,
+               dv, ds, dg, dsi, a2, da1, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
+               BF16: tl.constexpr, PREC: tl.constexpr, SC: tl.constexpr):
     """A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs: this kernel forms no pairwise
     decay. g slot-major (load_gates_by_chunk)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
@@ -131,8 +133,8 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
         m_k = ck < K
         b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-        b_h = load_state(hk, hbase * K, cm, ck, K, m_m, m_k)
-        b_dh = load_state(dhk, hbase * K, cm, ck, K, m_m, m_k)
+        b_h = chunk_state(hk, hk_sc, hbase * K, cm, ck, i_k * BK, K, m_m, m_k, SC)
+        b_dh = chunk_state(dhk, dhk_sc, hbase * K, cm, ck, i_k * BK, K, m_m, m_k, SC)
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
         b_dq = tl.dot(dZe, b_h, input_precision=PREC) + mm(dA1, b_k, BF16, PREC)
@@ -144,9 +146,9 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, dz_in, dq, 
         m_v = cv < V
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_dh = load_state(dhv, hbase * V, cm, cv, V, m_m, m_v)
+        b_dh = chunk_state(dhv, dhv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC)
         dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
-        dGC += tl.sum(load_state(hv, hbase * V, cm, cv, V, m_m, m_v) * b_dh, axis=1)
+        dGC += tl.sum(chunk_state(hv, hv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC) * b_dh, axis=1)
         b_dv = mm(tl.trans(A2), b_do, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end

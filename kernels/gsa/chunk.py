@@ -74,6 +74,13 @@ class Settings:
     """Register cap of _bwd_dz (None: ptxas decides; a cap of 128 spills heavily)."""
     out_maxnreg: int | None = None
     """Register cap of _fwd_out (None: ptxas decides; a cap spills)."""
+    fp16_states: bool = True
+    """For bf16 data, the chunk states that pass between kernels (the stored-state forward's, the backward's
+    rescan's and its state gradients) travel as fp16 with a power-of-two scale per slot row and D tile: half the
+    bytes of fp32, the backward's largest traffic, at the 11 significant bits the tf32 products that read them keep
+    (README, Numerics). Only where the scans' D tile spans whole tiles of the kernels that read the states (so each
+    of those reads one scale per row): many sequence-heads, as in training. The scans carry the states in fp32; the
+    final states stay fp32."""
     stateless_forward: bool | None = None
     """The forward stores no chunk state: the key-state scan alone forms the slot logits' inter-chunk parts and the
     value-state scan forms the output from the state it holds. The two scans then run one after the other, each
@@ -125,8 +132,10 @@ def _chunk_consts(q, v, s, st: Settings) -> dict:
 
 def _scan(g, cu, tables, first, second, want_ht, reverse, egc, split, st: Settings):
     """The [M, D] state recursion of every chunk (fwd: states at chunk starts; reverse: gradients at chunk ends) of
-    two states at once, each given as (w, x, h0) with w decayed (_gate_factors, _bwd_dz): returns (states, final
-    state or None) for each."""
+    two states at once, each given as (w, x, h0) with w decayed (_gate_factors, _bwd_dz): returns (states, their
+    scales or None, final state or None) for each, and the D tile, which is the scales' column group (the kernels
+    that read the states take it as SC): fp16 states with scales where the data is bf16 (Settings.fp16_states),
+    else fp32."""
     from kernels.gsa.fwd import _state_scan
 
     chunk_offsets, _, NT = tables
@@ -140,14 +149,17 @@ def _scan(g, cu, tables, first, second, want_ht, reverse, egc, split, st: Settin
     # about one program per SM counting both states' tiles
     BD = st.scan_bd or scan_tile(max(D1, D2), 2 * N * H)
     f32 = dict(device=g.device, dtype=torch.float32)
-    out = [(torch.empty(NT, H, M, x.shape[3], **f32), torch.empty(N, H, M, x.shape[3], **f32) if want_ht else None)
-           for x in (x1, x2)]
+    # fp16 where every tile of the kernels that read the states (_chunk_consts' BK, BV) lies within one scale group
+    scaled = st.fp16_states and split and BD >= _tile(max(D1, D2))
+    out = [(torch.empty(NT, H, M, D, device=g.device, dtype=torch.float16 if scaled else torch.float32),
+            torch.empty(NT, H, M, triton.cdiv(D, BD), **f32) if scaled else None,
+            torch.empty(N, H, M, D, **f32) if want_ht else None) for D in (D1, D2)]
     grid = (N, H, triton.cdiv(D1, BD) + triton.cdiv(D2, BD))
     launch(_state_scan, grid, w1, x1, h01, *out[0], w2, x2, h02, *out[1], egc, cu, chunk_offsets, None, None,
            H=H, M=M, D1=D1, D2=D2, BT=st.chunk_len(M), BM=_slots(M), BD=BD, REVERSE=reverse,
            HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=st.prec, SPLIT=split, EXACT=is_interpreting(),
            LOGITS=False, num_warps=st.scan_warps)
-    return out
+    return out, BD
 
 
 def _key_scan(g, cu, tables, sE, k, hk0, q, want_ht, egc, split, st: Settings):
@@ -164,8 +176,8 @@ def _key_scan(g, cu, tables, sE, k, hk0, q, want_ht, egc, split, st: Settings):
     hkt = torch.empty(N, H, M, K, **f32) if want_ht else None
     zp = torch.empty(*g.shape[:3], triton.cdiv(K, BD) * M, **f32)
     # the second state's arguments repeat the first's: D2 = 0 never reads them
-    launch(_state_scan, (N, H, triton.cdiv(K, BD)), sE, k, hk0, None, hkt, sE, k, hk0, None, None, egc, cu,
-           chunk_offsets, q, zp, H=H, M=M, D1=K, D2=0, BT=st.chunk_len(M), BM=_slots(M), BD=BD, REVERSE=False,
+    launch(_state_scan, (N, H, triton.cdiv(K, BD)), sE, k, hk0, None, None, hkt, sE, k, hk0, None, None, None, egc,
+           cu, chunk_offsets, q, zp, H=H, M=M, D1=K, D2=0, BT=st.chunk_len(M), BM=_slots(M), BD=BD, REVERSE=False,
            HAS_H0=hk0 is not None, STORE_HT=want_ht, PREC=st.prec, SPLIT=split, EXACT=is_interpreting(),
            LOGITS=True, num_warps=st.scan_warps)
     return zp, hkt
@@ -215,17 +227,19 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables, st: Settings):
     a1, a2 = (torch.empty(*g.shape[:3], BT, **f32) for _ in range(2))
     if stateless:
         zp, hkt = _key_scan(g, cu, tables, sE, k, hk0, q, want_ht, egc, split, st)
-        hk = hv = o = None
+        hk = hv = hk_sc = hv_sc = o = None
+        SC = 1
         pe = torch.empty(g.shape, **f32)
         passes = ("softmax", "decayed")
     else:
-        (hk, hkt), (hv, hvt) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False, egc, split, st)
+        ((hk, hk_sc, hkt), (hv, hv_sc, hvt)), SC = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), want_ht, False,
+                                                         egc, split, st)
         o = torch.empty_like(v)
         zp = pe = None
         passes = ("softmax", "output")
     for step in passes:
-        launch(_fwd_out, (tables[2], q.shape[2]), q, k, v, s, gf, cu, tables[1], hk, hv, o, p, z, a1, a2, pe, zp,
-               scale, tables[2] * BT, PASS=step, NZP=0 if zp is None else zp.shape[3] // g.shape[3],
+        launch(_fwd_out, (tables[2], q.shape[2]), q, k, v, s, gf, cu, tables[1], hk, hv, hk_sc, hv_sc, o, p, z, a1,
+               a2, pe, zp, scale, tables[2] * BT, PASS=step, NZP=0 if zp is None else zp.shape[3] // g.shape[3], SC=SC,
                **_chunk_consts(q, v, s, st), num_warps=st.out_warps, maxnreg=st.out_maxnreg)
     if stateless:
         o, hvt = _out_scan(sE, v, hv0, want_ht, pe, a2, cu, tables, egc, split, st)
@@ -236,8 +250,8 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
 
     # the chunk states again (cheap next to keeping them from the forward), with the forward's weights
-    (hk, _), (hv, _) = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), False, False, egc,
-                             sE.dtype == torch.bfloat16, st)
+    ((hk, hk_sc, _), (hv, hv_sc, _)), SC = _scan(g, cu, tables, (sE, k, hk0), (sE, v, hv0), False, False, egc,
+                                                 sE.dtype == torch.bfloat16, st)
     grid = (tables[2], q.shape[2])
     f32 = dict(device=q.device, dtype=torch.float32)
     dz, dg = (torch.empty(g.shape, **f32) for _ in range(2))
@@ -246,7 +260,8 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     consts = _chunk_consts(q, v, s, st)
     TT = tables[2] * consts["BT"]
     d2 = torch.empty_like(a1)
-    launch(_bwd_dz, grid, v, s, gf, do, cu, tables[1], hv, p, z, dz, dg, pe, dze, d2, scale, TT, SPLIT=split,
+    launch(_bwd_dz, grid, v, s, gf, do, cu, tables[1], hv, hv_sc, p, z, dz, dg, pe, dze, d2, scale, TT, SPLIT=split,
+           SC=SC,
            **{n: x for n, x in consts.items() if n not in ("K", "BK")},   # it reads no key-side tensor
            num_warps=st.chunk_warps, maxnreg=st.dz_maxnreg)
     dsi, da1 = torch.empty(g.shape, **f32), torch.empty_like(a1)
@@ -260,14 +275,15 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
         launch(_bwd_pairs, grid, s, g, p, dz, a1, d2, cu, tables[1], dsi, da1,
                **{n: consts[n] for n in ("H", "M", "BT", "BM", "LEVELS", "BF16", "PREC")}, num_warps=st.pairs_warps,
                maxnreg=st.pairs_maxnreg)
-    (dhk, dhk0), (dhv, dhv0) = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt), hk0 is not None, True, egc,
-                                     split, st)
+    ((dhk, dhk_sc, dhk0), (dhv, dhv_sc, dhv0)), dSC = _scan(g, cu, tables, (dze, q, dhkt), (pe, do, dhvt),
+                                                            hk0 is not None, True, egc, split, st)
+    assert dSC == SC   # the same D tile (one SC for both scans' scales)
     if main is not None:
         # every tensor it touched was allocated on the main stream and is freed after this wait
         main.wait_stream(side)
     dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
-    launch(_bwd_dkvsg, grid, q, k, v, s, gf, do, cu, tables[1], hk, hv, dhk, dhv, dz, dq, dk, dv, ds, dg, dsi, a2,
-           da1, TT, **consts, num_warps=st.chunk_warps, maxnreg=st.dkvsg_maxnreg)
+    launch(_bwd_dkvsg, grid, q, k, v, s, gf, do, cu, tables[1], hk, hv, dhk, dhv, hk_sc, hv_sc, dhk_sc, dhv_sc, dz,
+           dq, dk, dv, ds, dg, dsi, a2, da1, TT, **consts, SC=SC, num_warps=st.chunk_warps, maxnreg=st.dkvsg_maxnreg)
     return dq, dk, dv, ds, dg, dhk0, dhv0
 
 

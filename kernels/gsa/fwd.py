@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from kernels.tl_utils import (INTERPRETED, by_chunk, chunk_program, decay_on, diag_of, first_half, load_rows,
-                              load_rows_raw, load_state, mm, pair_mask, second_half, sequence_span, spare_chunk,
-                              store_rows)
+                              load_rows_raw, load_scaled_state, load_state, mm, pair_mask, second_half,
+                              sequence_span, spare_chunk, store_rows, store_scaled_state)
 
 
 @triton.jit
@@ -62,6 +62,17 @@ def load_gates_by_chunk(gf, i_c, i_h, M: tl.constexpr, cm, m_m, rows, TT, BT: tl
     contiguous they load as vectors along a warp's lanes; loaded from [T, H, M] (slots contiguous) a chunk's
     tokens span the warps. Padded rows and slots read 0."""
     return tl.trans(tl.load(gf + by_chunk(i_c, i_h, M, cm, rows, TT, BT), mask=m_m[:, None], other=0.))
+
+
+@triton.jit
+def chunk_state(ptr, scales, base, rows, cols, c0, D: tl.constexpr, m_r, m_c, SC: tl.constexpr):
+    """The fp32 [BM, BD] tile (columns cols = c0 + arange(BD)) of a chunk state (_state_scan): fp32, or fp16 with
+    scales (Settings.fp16_states)."""
+    if scales is None:
+        x = load_state(ptr, base, rows, cols, D, m_r, m_c)
+    else:
+        x = load_scaled_state(ptr, scales, base, rows, c0, D, cols.shape[0], SC, m_r)
+    return x
 
 
 @triton.jit
@@ -135,10 +146,10 @@ def pair_matrix(X, Y, b_g, rows, cols, LEVELS: tl.constexpr, BF16: tl.constexpr,
 
 
 @triton.jit
-def slot_logits(q, k, hk, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
+def slot_logits(q, k, hk, hk_sc, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
                 H: tl.constexpr, K: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, zp=None,
-                NZP: tl.constexpr = 0):
+                BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, SC: tl.constexpr,
+                zp=None, NZP: tl.constexpr = 0):
     """Unscaled slot logits Zr = q Hk_t of a chunk ([BT, BM]) and A1 = q k^T: the chunk-start state Hk^T (M x K)
     decayed to each row plus the chunk's own writes. NZP > 0 (stateless forward): q Hk^T comes as the key scan's
     NZP parts in zp (scan_tile's LOGITS) instead of from the state."""
@@ -151,7 +162,8 @@ def slot_logits(q, k, hk, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
         A1 += mm(b_q, tl.trans(b_k), BF16, PREC)
         if NZP == 0:
-            QH += tl.dot(b_q, tl.trans(load_state(hk, hbase, cm, ck, K, m_m, m_k)), input_precision=PREC)
+            b_h = chunk_state(hk, hk_sc, hbase, cm, ck, i_k * BK, K, m_m, m_k, SC)
+            QH += tl.dot(b_q, tl.trans(b_h), input_precision=PREC)
     if NZP == 0:
         return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, PREC), A1
     # the parts loaded after the chunk's own writes are summed (fewer registers live through the levels)
@@ -178,7 +190,7 @@ def chunk_decay(egc, c, i_h, H: tl.constexpr, M: tl.constexpr, cm, mask):
 
 
 @triton.jit
-def scan_tile(w, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
+def scan_tile(w, egc, x, cu, chunk_offsets, h0, hs, hsc, ht, i_n, i_h, i_d,
               H: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
               BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
               PREC: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr, pe=None, a2=None, o=None,
@@ -230,7 +242,11 @@ def scan_tile(w, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
             store_rows(zp + i_d * M, tl.dot(b_q, tl.trans(S), input_precision=PREC), tok, i_h, H,
                        ((D + BD - 1) // BD) * M, cm, m_t, m_m)
         elif not OUT:
-            tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
+            if hsc is not None:   # fp16 with a scale per row of the tile (tl_utils.store_scaled_state)
+                store_scaled_state(hs, hsc, ((c0 + i_t) * H + i_h).to(tl.int64) * M * D, cm, cd, S, D, BD, i_d, m_m,
+                                   m_d)
+            else:
+                tl.store(hs + ((c0 + i_t) * H + i_h).to(tl.int64) * M * D + s_off, S, mask=m_md)
         b_x = load_rows_raw(x, tok, i_h, H, D, cd, m_t, m_d)
         if OUT:
             b_o = tl.dot(load_rows(pe, tok, i_h, H, M, cm, m_t, m_m), S, input_precision=PREC)
@@ -246,7 +262,7 @@ def scan_tile(w, egc, x, cu, chunk_offsets, h0, hs, ht, i_n, i_h, i_d,
 
 
 @triton.jit
-def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, egc, cu, chunk_offsets, q, zp,
+def _state_scan(w1, x1, h01, hs1, sc1, ht1, w2, x2, h02, hs2, sc2, ht2, egc, cu, chunk_offsets, q, zp,
                 H: tl.constexpr, M: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BT: tl.constexpr,
                 BM: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
                 STORE_HT: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
@@ -258,10 +274,10 @@ def _state_scan(w1, x1, h01, hs1, ht1, w2, x2, h02, hs2, ht2, egc, cu, chunk_off
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n1 = tl.cdiv(D1, BD)
     if i_d < n1:
-        scan_tile(w1, egc, x1, cu, chunk_offsets, h01, hs1, ht1, i_n, i_h, i_d,
+        scan_tile(w1, egc, x1, cu, chunk_offsets, h01, hs1, sc1, ht1, i_n, i_h, i_d,
                   H, M, D1, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, SPLIT, EXACT, q=q, zp=zp, LOGITS=LOGITS)
     elif D2 > 0:
-        scan_tile(w2, egc, x2, cu, chunk_offsets, h02, hs2, ht2, i_n, i_h, i_d - n1,
+        scan_tile(w2, egc, x2, cu, chunk_offsets, h02, hs2, sc2, ht2, i_n, i_h, i_d - n1,
                   H, M, D2, BT, BM, BD, REVERSE, HAS_H0, STORE_HT, PREC, SPLIT, EXACT)
 
 
@@ -274,7 +290,7 @@ def _out_scan(w, x, h0, ht, egc, cu, chunk_offsets, pe, a2, o,
     storing the state (scan_tile's OUT): it runs after the key-state scan and _fwd_out's PASS "decayed" (p e^{G},
     A2)."""
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    scan_tile(w, egc, x, cu, chunk_offsets, h0, None, ht, i_n, i_h, i_d, H, M, D, BT, BM, BD, False, HAS_H0,
+    scan_tile(w, egc, x, cu, chunk_offsets, h0, None, None, ht, i_n, i_h, i_d, H, M, D, BT, BM, BD, False, HAS_H0,
               STORE_HT, PREC, SPLIT, EXACT, pe, a2, o, True)
 
 
@@ -299,10 +315,10 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
 
 
 @triton.jit
-def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2_out, pe_out, zp, scale, TT,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
+def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, hk_sc, hv_sc, o, p_out, z_out, a1_out, a2_out, pe_out, zp,
+             scale, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
              BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
-             PREC: tl.constexpr, PASS: tl.constexpr, NZP: tl.constexpr):
+             PREC: tl.constexpr, PASS: tl.constexpr, NZP: tl.constexpr, SC: tl.constexpr):
     """Per chunk, g slot-major (load_gates_by_chunk). Two launches, so that fewer registers are live in each:
     PASS "softmax": the slot logits Zr, the softmax p and A1 = q k^T, kept for the backward;
     PASS "output":  (stored states) A2 (p against s, kept for the backward) and the output, from p;
@@ -318,8 +334,8 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
     b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     hbase = (i_c * H + i_h).to(tl.int64) * M
     if PASS == "softmax":
-        Zr, A1 = slot_logits(q, k, hk, hbase * K, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
-                             H, K, M, BT, BK, BM, LEVELS, BF16, PREC, zp, NZP)
+        Zr, A1 = slot_logits(q, k, hk, hk_sc, hbase * K, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
+                             H, K, M, BT, BK, BM, LEVELS, BF16, PREC, SC, zp, NZP)
         P = slot_softmax(scale * Zr, m_t, m_m)
         # kept for the backward (fp32 [T, H, M]), which then needs neither Hk nor q, k before the state gradients
         store_rows(p_out, P, tok, i_h, H, M, cm, m_t, m_m)
@@ -338,6 +354,7 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, o, p_out, z_out, a1_out, a2
                 cv = i_v * BV + tl.arange(0, BV)
                 m_v = cv < V
                 b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-                b_o = tl.dot(Pe, load_state(hv, hbase * V, cm, cv, V, m_m, m_v), input_precision=PREC) \
+                b_h = chunk_state(hv, hv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC)
+                b_o = tl.dot(Pe, b_h, input_precision=PREC) \
                     + mm(A2, b_v, BF16, PREC)
                 store_rows(o, b_o, tok, i_h, H, V, cv, m_t, m_v)

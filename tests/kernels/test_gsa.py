@@ -272,6 +272,26 @@ def test_triton_interpreter_bf16_products_stress(interp):
     assert max(common.rel_rmse(g, f) for g, f in zip(got, fp32_products) if f is not None) > 1e-3
 
 
+@pytest.mark.parametrize("v_scale", [1.0, 1e-30, 1e30])
+def test_triton_interpreter_fp16_states(v_scale, interp):
+    # bf16 data: the chunk states between kernels travel as fp16 with a power of two per slot row and D tile
+    # (scan_bd 32 here spans the readers' tiles, so the scaled path runs; both forward regimes store or read
+    # states: the stored-state forward here, the backward's rescan and reverse scan). Values of any range keep
+    # their 11 significant bits: v at 1e-30 (fp16 would flush the value states to 0) and 1e30 (fp16 would overflow)
+    # meet the bf16 bar as at 1, and against the same kernel with fp32 states the errors are the same size.
+    xs, h0 = make_inputs(1, 100, 2, 32, 32, 32, dtype=torch.bfloat16, decay="wide", seed=18)
+    xs[2], h0 = (xs[2] * v_scale).to(torch.bfloat16), (h0[0], h0[1] * v_scale)
+    ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0)
+    settings = dict(scan_bd=32, stateless_forward=False)
+    got = run(interp, xs, h0, 1.0, settings=Settings(**settings))
+    assert_close(got, ref, GPU_TOL, f"fp16 states, v x {v_scale}")
+    if v_scale == 1.0:
+        fp32 = run(interp, xs, h0, 1.0, settings=Settings(fp16_states=False, **settings))
+        for name, g, f, r in zip(NAMES, got, fp32, ref):
+            assert common.rel_rmse(g, r) <= 1.2 * common.rel_rmse(f, r) + 1e-4, name
+        assert max(common.rel_rmse(g, f) for g, f in zip(got, fp32)) > 0   # the two formats did differ
+
+
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
 
 gpu = pytest.mark.gpu
@@ -337,7 +357,9 @@ def test_gpu_matches_cpu_torch_path():
 
 
 # Both forward regimes, other scan tiles and fp32-operand products, in bf16 on the GPU.
+# scan_bd=64 spans the readers' 64-wide tiles: fp16 states (Settings.fp16_states), in both forward regimes.
 VARIANTS = [dict(stateless_forward=True), dict(stateless_forward=False), dict(scan_bd=16), dict(scan_bd=64),
+            dict(scan_bd=64, stateless_forward=False), dict(scan_bd=64, fp16_states=False),
             dict(stateless_forward=True, key_scan_bd=32, out_scan_bd=32), dict(bf16_products=False)]
 
 
