@@ -4,9 +4,9 @@ Chunk-start states are recomputed by the forward's _state_scan (between the pass
 [T, H, M] factors are kept).
   _bwd_dz     (per chunk and head): from the forward's slot logits and p (kept by _fwd_out), forms dp and the
               softmax backward dZr = scale dZ and the row part of the log-gate gradient; stores dZr.
-  _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32) of both
-              states in one launch: (w = dZr, x = q) for Hk^T and (w = p, x = do) for Hv; at t = 0 they are the
-              initial-state gradients.
+  _state_scan (REVERSE, per sequence, head and D tile): the state gradients at every chunk end (fp32, or fp16 with
+              scales for bf16 data: Settings.fp16_states) of both states in one launch: (w = dZr, x = q) for Hk^T and
+              (w = p, x = do) for Hv; at t = 0 they are the initial-state gradients.
   _bwd_pairs  (per chunk and head, on a second stream beside the reverse scan): what needs the pairwise decays
               within the chunk apart from the states and A2 (kept by _fwd_out): the pair matrix dA1 and ds's part
               within the chunk.

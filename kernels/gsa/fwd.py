@@ -17,10 +17,11 @@ Every exp() argument is a sum of log gates (<= 0) over its own span, never a dif
 e^{G_t}, e^{G_C - G_t} = e^{sum_{j>t} g_j}, and the pairwise e^{G_t - G_s} split at a middle row into two such sums.
 The per-chunk kernels form these sums as products with a 0/1 matrix (span_sums, as tl_utils.run_sums), clamped to
 <= 0 against rounding. Masked entries are replaced by 0 before the exp and the result by 0 after. Inputs are packed
-sequences [1, T_total, H, *]; states, gates and softmax are fp32. For bf16 inputs (Settings.bf16_products) the
-per-chunk kernels' products of features, pair matrices and the output's A2 take bf16 operands with fp32
-accumulation (tl_utils.mm, BF16); the slot logits' gated sum, the products with a state and the scans' keep fp32
-operands (README, Numerics).
+sequences [1, T_total, H, *]; states (as the scans carry them, and as every reader upcasts them; stored for other
+kernels as fp16 with scales for bf16 data, Settings.fp16_states), gates and softmax are fp32. For bf16 inputs
+(Settings.bf16_products) the per-chunk kernels' products of features, pair matrices and the output's A2 take bf16
+operands with fp32 accumulation (tl_utils.mm, BF16); the slot logits' gated sum, the products with a state and the
+scans' keep fp32 operands (README, Numerics).
 """
 
 from __future__ import annotations
