@@ -23,7 +23,7 @@ from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, packed_prompts,
                                  positions_from_cu_seqlens)
-from kernels.gsa import chunk_gsa
+from kernels.gsa import chunk_gsa, chunk_gsa_from_projection, feature_maps
 from kernels.gsa.step import recurrent_step
 from kernels.silu_rms_norm import silu_rms_norm
 
@@ -161,30 +161,27 @@ class GatedSlotAttention(nn.Module):
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_proj)
+        normalizer = self.args.gate_logit_normalizer
         if cache is None:
             # training: q, k, v and the gate logits from one matmul against the four weights stacked (the parameters
             # stay the modules' own), so backward sums the four input gradients inside one GEMM, not in a pass of
             # their own. Cached passes (decoding) skip the stacking: for a few tokens, copying the weights costs
             # more than the matmul that reads them.
-            w = torch.cat([p.weight for p in projections])
-            q, k, v, f = F.linear(x, w).split([p.out_features for p in projections], dim=-1)
+            y = F.linear(x, torch.cat([p.weight for p in projections]))
+            if not self.args.use_short_conv:
+                # the feature maps and the chunk op in one call, whose backward writes y's gradient directly
+                o = chunk_gsa_from_projection(y, H, D, M, normalizer, scale=1.0, cu_seqlens=cu_seqlens)
+            else:
+                q, k, v, f = y.split([p.out_features for p in projections], dim=-1)
+                q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
+                o = self.attend(q, k, v, f, cu_seqlens)
         else:
             q, k, v, f = (p(x) for p in projections)
-        if self.args.use_short_conv and cache is None:
-            q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
-        elif self.args.use_short_conv:
-            q = cached_conv(self.q_conv1d, q, cache.q_conv, positions, cu_seqlens)
-            k = cached_conv(self.k_conv1d, k, cache.k_conv, positions, cu_seqlens)
-            v = cached_conv(self.v_conv1d, v, cache.v_conv, positions, cu_seqlens)
-        q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))     # swish feature map on q, k; silu on v
-        # The gate in fp32, explicitly: bf16 log gates near 0 lose the slow slots over long contexts.
-        f = F.logsigmoid(f.float()).view(B, T, H, M) / self.args.gate_logit_normalizer
-        s = -torch.expm1(f)                                            # 1 - e^f, exact for f near 0; the log
-        # gate f stays fp32 into the kernel, s (a slot write like k and v) goes in the activations' dtype
-        if cache is None:
-            o, _ = chunk_gsa(q, k, v, s.to(q.dtype), f, scale=1.0, cu_seqlens=cu_seqlens)
-        else:
-            o = self.cached_op(q, k, v, s.to(q.dtype), f, cu_seqlens, cache)
+            if self.args.use_short_conv:
+                q = cached_conv(self.q_conv1d, q, cache.q_conv, positions, cu_seqlens)
+                k = cached_conv(self.k_conv1d, k, cache.k_conv, positions, cu_seqlens)
+                v = cached_conv(self.v_conv1d, v, cache.v_conv, positions, cu_seqlens)
+            o = self.attend(q, k, v, f, cu_seqlens, cache)
         if self.g_proj is None:
             # RMSNorm(silu(o)) over all heads together, fp32 inside (one fused op); its eps matters: at init
             # mean(silu(o)^2) is only ~1e-4
@@ -192,6 +189,18 @@ class GatedSlotAttention(nn.Module):
         else:
             o = (self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
         return self.o_proj(o.to(x.dtype))
+
+    def attend(self, q, k, v, f, cu_seqlens, cache: GSALayerCache | None = None):
+        """The recurrence on the feature maps (kernels.gsa.feature_maps: swish on q, k, silu on v, the fp32 log
+        gate and the slot writes) of q, k, v [B, T, H D] and the gate logits f [B, T, H M]."""
+        B, T, _ = q.shape
+        H, D, M = self.n_heads, self.head_dim, self.args.num_slots
+        q, k, v, s, g = feature_maps(q, k, v, f, self.args.gate_logit_normalizer)
+        q, k, v = (t.view(B, T, H, D) for t in (q, k, v))
+        s, g = s.view(B, T, H, M), g.view(B, T, H, M)
+        if cache is None:
+            return chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens)[0]
+        return self.cached_op(q, k, v, s, g, cu_seqlens, cache)
 
     @staticmethod
     def cached_op(q, k, v, s, f, cu_seqlens, cache: GSALayerCache):

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.gsa.fwd import chunk_state, from_start, gated_sum, level, load_gates_by_chunk, store_split, to_end
-from kernels.tl_utils import chunk_program, diag_of, load_rows, mm, spare_chunk, store_rows
+from kernels.tl_utils import cast_for, chunk_program, diag_of, load_rows, mm, spare_chunk, store_rows
 
 
 @triton.jit
@@ -105,11 +105,14 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
 
 @triton.jit
 def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_sc, dhk_sc, dhv_sc, dz_in, dq, dk,
-               dv, ds, dg, dsi, a2, da1, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, LEVELS: tl.constexpr,
-               BF16: tl.constexpr, PREC: tl.constexpr, SC: tl.constexpr):
+               dv, ds, dg, dsi, a2, da1, TT, y, dy, inv_norm, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               M: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+               LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, SC: tl.constexpr, W: tl.constexpr):
     """A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs: this kernel forms no pairwise
-    decay. g slot-major (load_gates_by_chunk)."""
+    decay. g slot-major (load_gates_by_chunk).
+    W > 0: the features came from the stacked projection y [T, W] = (q | k | v | f) (chunk.chunk_gsa_from_projection):
+    the gradient of y is stored in dy through the feature maps (silu on q, k, v; g = logsigmoid(f) * inv_norm,
+    s = 1 - e^g), in place of dq, dk, dv, ds and dg (dg is still this kernel's scratch)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
@@ -138,9 +141,15 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
         b_dq = tl.dot(dZe, b_h, input_precision=PREC) + mm(dA1, b_k, BF16, PREC)
-        store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
+        if W > 0:
+            store_silu_grad(y, dy, b_dq, tok, i_h * K, ck, m_t, m_k, W)
+        else:
+            store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
         b_dk = mm(tl.trans(dA1), b_q, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
-        store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
+        if W > 0:
+            store_silu_grad(y, dy, b_dk, tok, (H + i_h) * K, ck, m_t, m_k, W)
+        else:
+            store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
@@ -150,13 +159,36 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(chunk_state(hv, hv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC) * b_dh, axis=1)
         b_dv = mm(tl.trans(A2), b_do, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
-        store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
+        if W > 0:
+            store_silu_grad(y, dy, b_dv, tok, 2 * H * K + i_h * V, cv, m_t, m_v, W)
+        else:
+            store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end
     b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)
     # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row
     dGC = dGC * tl.exp(GC) + tl.sum(b_s * dS_end, axis=0)
     dG = load_rows(dg, tok, i_h, H, M, cm, m_t, m_m) - b_s * b_ds \
         + tl.where(rows[:, None] == BT - 1, dGC[None, :], 0.)
-    store_rows(ds, b_ds, tok, i_h, H, M, cm, m_t, m_m)
     # dg_j = sum_{t>=j} dG_t: a scan (as a run sum, a product, this kernel spills 120 more bytes under its cap)
-    store_rows(dg, tl.cumsum(dG, axis=0, reverse=True), tok, i_h, H, M, cm, m_t, m_m)
+    b_dg = tl.cumsum(dG, axis=0, reverse=True)
+    if W > 0:
+        # s = 1 - e^g adds -e^g ds to g's gradient; d logsigmoid(f) / df = sigmoid(-f)
+        col = 2 * H * K + H * V + i_h * M + cm
+        m = m_t[:, None] & m_m[None, :]
+        off = tok[:, None].to(tl.int64) * W + col[None, :]
+        f = tl.load(y + off, mask=m, other=0.).to(tl.float32)
+        b_df = (b_dg - b_ds * tl.exp(b_g)) * inv_norm * tl.sigmoid(-f)
+        tl.store(dy + off, cast_for(dy, b_df), mask=m)
+    else:
+        store_rows(ds, b_ds, tok, i_h, H, M, cm, m_t, m_m)
+        store_rows(dg, b_dg, tok, i_h, H, M, cm, m_t, m_m)
+
+
+@triton.jit
+def store_silu_grad(y, dy, d, tok, col0, cols, m_t, m_c, W: tl.constexpr):
+    """dy[tok, col0 + cols] = d * silu'(y[tok, col0 + cols]) (y, dy [T, W])."""
+    m = m_t[:, None] & m_c[None, :]
+    off = tok[:, None].to(tl.int64) * W + col0 + cols[None, :]
+    x = tl.load(y + off, mask=m, other=0.).to(tl.float32)
+    sig = tl.sigmoid(x)
+    tl.store(dy + off, cast_for(dy, d * sig * (1 + x * (1 - sig))), mask=m)

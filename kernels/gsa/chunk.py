@@ -246,7 +246,8 @@ def _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables, st: Settings):
     return o, hkt, hvt, (sE, egc, p, z, gf, a1, a2)
 
 
-def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2, st: Settings):
+def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2, y, inv_norm,
+         st: Settings):
     from kernels.gsa.bwd import _bwd_dkvsg, _bwd_dz, _bwd_pairs
 
     # the chunk states again (cheap next to keeping them from the forward), with the forward's weights
@@ -281,10 +282,17 @@ def _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p,
     if main is not None:
         # every tensor it touched was allocated on the main stream and is freed after this wait
         main.wait_stream(side)
-    dq, dk, dv, ds = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
+    if y is None:
+        dq, dk, dv, ds, dy = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(s), None
+    else:   # the gradient of the stacked projection y the features came from, in place of theirs
+        dq = dk = dv = ds = None
+        dy = torch.empty_like(y)
     launch(_bwd_dkvsg, grid, q, k, v, s, gf, do, cu, tables[1], hk, hv, dhk, dhv, hk_sc, hv_sc, dhk_sc, dhv_sc, dz,
-           dq, dk, dv, ds, dg, dsi, a2, da1, TT, **consts, SC=SC, num_warps=st.chunk_warps, maxnreg=st.dkvsg_maxnreg)
-    return dq, dk, dv, ds, dg, dhk0, dhv0
+           dq, dk, dv, ds, dg, dsi, a2, da1, TT, y, dy, inv_norm, **consts, SC=SC, W=0 if y is None else y.shape[-1],
+           num_warps=st.chunk_warps, maxnreg=st.dkvsg_maxnreg)
+    if y is not None:
+        dg = None
+    return dq, dk, dv, ds, dg, dhk0, dhv0, dy
 
 
 def _tables(cu, total: int, seq_len: int, M: int, st: Settings):
@@ -296,7 +304,7 @@ def _tables(cu, total: int, seq_len: int, M: int, st: Settings):
 # Packed inputs [1, T, H, *] (g fp32), cu int32 [N+1]; states in the kernels' layout Hk^T [N, H, M, K], Hv [N, H, M,
 # V]. Besides o and the final states, the forward returns what the backward reads: only small [T, H, M] and
 # [T, H, BT] factors (the backward rescans the chunk states instead of holding them).
-def _forward_op(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
+def _forward_op(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings, y, inv_norm):
     st = from_text("gsa", settings)
     tables = _tables(cu, q.shape[1], seq_len, s.shape[3], st)
     o, hkt, hvt, kept = _fwd(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, tables, st)
@@ -306,11 +314,12 @@ def _forward_op(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
 chunk_gsa_op = torch.library.custom_op(
     "flame::chunk_gsa", _forward_op, mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float scale, Tensor? hk0, Tensor? hv0, bool want_ht, "
-           "Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? hkt, Tensor? hvt, Tensor sE, Tensor egc, "
+           "Tensor cu, SymInt seq_len, str settings, Tensor? y, float inv_norm) -> (Tensor o, Tensor? hkt, "
+           "Tensor? hvt, Tensor sE, Tensor egc, "
            "Tensor p, Tensor z, Tensor gf, Tensor a1, Tensor a2)")
 
 
-def _fake_forward(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings):
+def _fake_forward(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings, y, inv_norm):
     st = from_text("gsa", settings)
     _, T, H, K = q.shape
     V, M, N = v.shape[3], s.shape[3], cu.shape[0] - 1
@@ -322,42 +331,47 @@ def _fake_forward(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings
             f32(H, M, NT * BT), f32(1, T, H, BT), f32(1, T, H, BT))
 
 
-def _backward_op(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt):
+def _backward_op(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt,
+                 y, inv_norm):
     st = from_text("gsa", settings)
     tables = _tables(cu, q.shape[1], seq_len, s.shape[3], st)
-    return _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2, st)
+    return _bwd(q, k, v, s, g, scale, hk0, hv0, cu, tables, do, dhkt, dhvt, sE, egc, p, z, gf, a1, a2, y, inv_norm,
+                st)
 
 
 chunk_gsa_bwd_op = torch.library.custom_op(
     "flame::chunk_gsa_bwd", _backward_op, mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float scale, Tensor? hk0, Tensor? hv0, Tensor cu, "
            "SymInt seq_len, str settings, Tensor sE, Tensor egc, Tensor p, Tensor z, Tensor gf, Tensor a1, "
-           "Tensor a2, Tensor do, Tensor? dhkt, Tensor? dhvt) -> (Tensor dq, Tensor dk, Tensor dv, Tensor ds, "
-           "Tensor dg, Tensor? dhk0, Tensor? dhv0)")
+           "Tensor a2, Tensor do, Tensor? dhkt, Tensor? dhvt, Tensor? y, float inv_norm) -> (Tensor? dq, Tensor? dk, "
+           "Tensor? dv, Tensor? ds, Tensor? dg, Tensor? dhk0, Tensor? dhv0, Tensor? dy)")
 
 
-def _fake_backward(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt):
-    return (*(torch.empty_like(x) for x in (q, k, v, s, g)),
-            *(None if h is None else torch.empty_like(h) for h in (hk0, hv0)))
+def _fake_backward(q, k, v, s, g, scale, hk0, hv0, cu, seq_len, settings, sE, egc, p, z, gf, a1, a2, do, dhkt, dhvt,
+                   y, inv_norm):
+    features = (None,) * 5 if y is not None else tuple(torch.empty_like(x) for x in (q, k, v, s, g))
+    return (*features, *(None if h is None else torch.empty_like(h) for h in (hk0, hv0)),
+            None if y is None else torch.empty_like(y))
 
 
 def _autograd_setup(ctx, inputs, output):
-    q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings = inputs
+    q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings, y, inv_norm = inputs
     kept = output[3:]
     ctx.mark_non_differentiable(*kept)
     # no zero gradients made for the kept factors; an unused o gets one below
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu, *kept)
-    ctx.scale, ctx.seq_len, ctx.settings = scale, seq_len, settings
+    ctx.save_for_backward(q, k, v, s, g, hk0, hv0, cu, y, *kept)
+    ctx.scale, ctx.seq_len, ctx.settings, ctx.inv_norm = scale, seq_len, settings, inv_norm
 
 
 def _autograd_backward(ctx, do, dhkt, dhvt, *_):
-    q, k, v, s, g, hk0, hv0, cu, *kept = ctx.saved_tensors
+    q, k, v, s, g, hk0, hv0, cu, y, *kept = ctx.saved_tensors
     c = lambda x: None if x is None else x.contiguous()  # noqa: E731
     do = torch.zeros_like(v) if do is None else do.contiguous()
-    dq, dk, dv, ds, dg, dhk0, dhv0 = chunk_gsa_bwd_op(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.seq_len,
-                                                      ctx.settings, *kept, do, c(dhkt), c(dhvt))
-    return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None, None
+    dq, dk, dv, ds, dg, dhk0, dhv0, dy = chunk_gsa_bwd_op(q, k, v, s, g, ctx.scale, hk0, hv0, cu, ctx.seq_len,
+                                                          ctx.settings, *kept, do, c(dhkt), c(dhvt), y, ctx.inv_norm)
+    # with y, the features' own gradients are None: dy already carries them (chunk_gsa_from_projection)
+    return dq, dk, dv, ds, dg, None, dhk0, dhv0, None, None, None, None, dy, None
 
 
 chunk_gsa_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
@@ -365,7 +379,8 @@ register_fake(chunk_gsa_op, _fake_forward, _forward_op)
 register_fake(chunk_gsa_bwd_op, _fake_backward, _backward_op)
 
 
-def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None):
+def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None,
+                      projection: tuple[torch.Tensor, float] | None = None):
     st = settings or Settings()
     B, T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
@@ -382,8 +397,11 @@ def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, c
     if initial_state is not None:
         hk0 = initial_state[0].float().transpose(-1, -2).contiguous()
         hv0 = initial_state[1].float().contiguous()
+    y, inv_norm = (None, 1.0) if projection is None else (projection[0].reshape(B * T, -1).contiguous(),
+                                                          float(projection[1]))
     o, hkt, hvt, *_ = chunk_gsa_op(q_, k_, v_, s_, g_, float(scale), hk0, hv0, bool(output_final_state), cu,
-                                   T if cu_seqlens is None else 0, "" if settings is None else to_text(settings))
+                                   T if cu_seqlens is None else 0, "" if settings is None else to_text(settings), y,
+                                   inv_norm)
     final = (hkt.transpose(-1, -2), hvt) if output_final_state else None
     return o.reshape(B, T, H, V), final
 
