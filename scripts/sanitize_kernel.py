@@ -3,6 +3,7 @@ that reads or writes out of bounds (as Triton 3.6 once compiled an 8-warp kernel
 memcheck errors.
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 1,512,4,64,64,64   # B,T,H,K,V,M
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 16,256,8,64,64,64 --projection
     compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py rwkv7 1,512,4,64,64    # B,T,H,K,V
 """
 
@@ -22,6 +23,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("op", choices=["rwkv7", "gsa", "rwkv6"])
     p.add_argument("shape", help="the op's test shape: B,T,H,K,V (rwkv7, rwkv6) or B,T,H,K,V,M (gsa)")
+    p.add_argument("--projection", action="store_true",
+                   help="gsa: through chunk_gsa_from_projection (its backward stores the projection's gradient; K = V)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.exit(2, "sanitize_kernel: needs a CUDA GPU\n")
@@ -33,12 +36,20 @@ def main():
     op = getattr(importlib.import_module(f"kernels.{args.op}"), f"chunk_{args.op}")
     if len(shape) != (6 if args.op == "gsa" else 5):
         p.exit(2, f"sanitize_kernel: wrong number of sizes for {args.op}: {args.shape}\n")
-    xs, _ = make_inputs(*shape, device="cuda", dtype=torch.bfloat16)
-    xs = [x.requires_grad_() if x.is_floating_point() else x for x in xs]
-    out = op(*xs)
+    if args.projection and (args.op != "gsa" or shape[3] != shape[4]):
+        p.exit(2, "sanitize_kernel: --projection is GSA's, with K = V\n")
+    if args.projection:
+        from kernels.gsa import chunk_gsa_from_projection
+        B, T, H, K, V, M = shape
+        y = torch.randn(B, T, 3 * H * K + H * M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = chunk_gsa_from_projection(y, H, K, M, 8.0)
+    else:
+        xs, _ = make_inputs(*shape, device="cuda", dtype=torch.bfloat16)
+        xs = [x.requires_grad_() if x.is_floating_point() else x for x in xs]
+        out = op(*xs)
     (out[0] if isinstance(out, tuple) else out).float().square().sum().backward()
     torch.cuda.synchronize()
-    print(args.op, args.shape, "forward and backward ran")
+    print(args.op, args.shape, "(from the projection)" if args.projection else "", "forward and backward ran")
 
 
 if __name__ == "__main__":
