@@ -136,18 +136,21 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         m_k = ck < K
         b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
+        if W > 0:   # loaded ahead of the products, which then hide the loads' latency
+            y_q = load_projection(y, tok, i_h * K, ck, m_t, m_k, W)
+            y_k = load_projection(y, tok, (H + i_h) * K, ck, m_t, m_k, W)
         b_h = chunk_state(hk, hk_sc, hbase * K, cm, ck, i_k * BK, K, m_m, m_k, SC)
         b_dh = chunk_state(dhk, dhk_sc, hbase * K, cm, ck, i_k * BK, K, m_m, m_k, SC)
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(b_h * b_dh, axis=1)
         b_dq = tl.dot(dZe, b_h, input_precision=PREC) + mm(dA1, b_k, BF16, PREC)
         if W > 0:
-            store_silu_grad(y, dy, b_dq, tok, i_h * K, ck, m_t, m_k, W)
+            store_silu_grad(dy, y_q, b_dq, tok, i_h * K, ck, m_t, m_k, W)
         else:
             store_rows(dq, b_dq, tok, i_h, H, K, ck, m_t, m_k)
         b_dk = mm(tl.trans(dA1), b_q, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         if W > 0:
-            store_silu_grad(y, dy, b_dk, tok, (H + i_h) * K, ck, m_t, m_k, W)
+            store_silu_grad(dy, y_k, b_dk, tok, (H + i_h) * K, ck, m_t, m_k, W)
         else:
             store_rows(dk, b_dk, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in range(tl.cdiv(V, BV)):
@@ -155,12 +158,14 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         m_v = cv < V
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v)
         b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        if W > 0:
+            y_v = load_projection(y, tok, 2 * H * K + i_h * V, cv, m_t, m_v, W)
         b_dh = chunk_state(dhv, dhv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC)
         dS_end += tl.dot(b_v, tl.trans(b_dh), input_precision=PREC)
         dGC += tl.sum(chunk_state(hv, hv_sc, hbase * V, cm, cv, i_v * BV, V, m_m, m_v, SC) * b_dh, axis=1)
         b_dv = mm(tl.trans(A2), b_do, BF16, PREC) + tl.dot(s_end, b_dh, input_precision=PREC)
         if W > 0:
-            store_silu_grad(y, dy, b_dv, tok, 2 * H * K + i_h * V, cv, m_t, m_v, W)
+            store_silu_grad(dy, y_v, b_dv, tok, 2 * H * K + i_h * V, cv, m_t, m_v, W)
         else:
             store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
     dS_end = dS_end * e_end
@@ -173,22 +178,30 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
     b_dg = tl.cumsum(dG, axis=0, reverse=True)
     if W > 0:
         # s = 1 - e^g adds -e^g ds to g's gradient; d logsigmoid(f) / df = sigmoid(-f)
-        col = 2 * H * K + H * V + i_h * M + cm
-        m = m_t[:, None] & m_m[None, :]
-        off = tok[:, None].to(tl.int64) * W + col[None, :]
-        f = tl.load(y + off, mask=m, other=0.).to(tl.float32)
+        f = load_projection(y, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W).to(tl.float32)
         b_df = (b_dg - b_ds * tl.exp(b_g)) * inv_norm * tl.sigmoid(-f)
-        tl.store(dy + off, cast_for(dy, b_df), mask=m)
+        store_projection(dy, b_df, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W)
     else:
         store_rows(ds, b_ds, tok, i_h, H, M, cm, m_t, m_m)
         store_rows(dg, b_dg, tok, i_h, H, M, cm, m_t, m_m)
 
 
 @triton.jit
-def store_silu_grad(y, dy, d, tok, col0, cols, m_t, m_c, W: tl.constexpr):
-    """dy[tok, col0 + cols] = d * silu'(y[tok, col0 + cols]) (y, dy [T, W])."""
-    m = m_t[:, None] & m_c[None, :]
-    off = tok[:, None].to(tl.int64) * W + col0 + cols[None, :]
-    x = tl.load(y + off, mask=m, other=0.).to(tl.float32)
+def load_projection(y, tok, col0, cols, m_t, m_c, W: tl.constexpr):
+    """y[tok, col0 + cols] of a [T, W] tensor, in its own dtype."""
+    return tl.load(y + tok[:, None].to(tl.int64) * W + col0 + cols[None, :], mask=m_t[:, None] & m_c[None, :],
+                   other=0.)
+
+
+@triton.jit
+def store_projection(dy, x, tok, col0, cols, m_t, m_c, W: tl.constexpr):
+    tl.store(dy + tok[:, None].to(tl.int64) * W + col0 + cols[None, :], cast_for(dy, x),
+             mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def store_silu_grad(dy, y_part, d, tok, col0, cols, m_t, m_c, W: tl.constexpr):
+    """dy[tok, col0 + cols] = d * silu'(x), x = y_part (load_projection's tile of y at the same place)."""
+    x = y_part.to(tl.float32)
     sig = tl.sigmoid(x)
-    tl.store(dy + off, cast_for(dy, d * sig * (1 + x * (1 - sig))), mask=m)
+    store_projection(dy, d * sig * (1 + x * (1 - sig)), tok, col0, cols, m_t, m_c, W)
