@@ -1,4 +1,5 @@
-"""The Triton chunk kernels as custom ops (flame::chunk_rwkv7, flame::chunk_gsa, flame::chunk_rwkv6 and their _bwd):
+"""The Triton chunk kernels as custom ops (flame::chunk_rwkv7, flame::chunk_gsa (also with the stacked projection y
+whose gradient its backward returns), flame::chunk_rwkv6 and their _bwd):
 torch.library.opcheck of each operator on tiny inputs through the kernel under the interpreter (schema, fake against
 the real outputs, autograd registration, AOT dispatch with dynamic shapes against eager), and one
 torch.compile(fullgraph=True) of a whole RWKV-7 block on the Triton path: one graph, eager's outputs and gradients."""
@@ -12,6 +13,7 @@ import importlib
 import pytest
 import torch
 
+from kernels.gsa import feature_maps
 from kernels.gsa.chunk import chunk_gsa_bwd_op, chunk_gsa_op
 from kernels.rwkv6.chunk import chunk_rwkv6_bwd_op, chunk_rwkv6_op
 from kernels.rwkv7.chunk import chunk_rwkv7, chunk_rwkv7_bwd_op, chunk_rwkv7_op
@@ -23,6 +25,8 @@ from tests.kernels import common, test_gsa, test_rwkv6, test_rwkv7
 CASES = {
     "rwkv7": [(2, 16, False, ""), (1, 32, True, "blocked_scan=True,block_chunks=1")],
     "gsa": [(2, 16, False, "stateless_forward=False"), (1, 32, True, "stateless_forward=True")],
+    # the features from the stacked projection y (chunk_gsa_from_projection): the backward returns y's gradient
+    "gsa_projection": [(2, 16, False, "stateless_forward=False"), (1, 32, True, "stateless_forward=True")],
     "rwkv6": [(2, 16, False, "chunk=16"), (1, 32, True, "chunk=16,blocked_scan=True,block_chunks=1,block_bv=16")],
 }
 PACKED = torch.tensor([0, 5, 32], dtype=torch.int32)
@@ -41,7 +45,12 @@ def op_inputs(name, B, T, packed, settings):
         xs, (hk0, hv0) = test_gsa.make_inputs(B, T, 1, 16, 16, 16)
         states = [None, None] if packed else [hk0.transpose(-1, -2).contiguous().requires_grad_(True),
                                               hv0.requires_grad_(True)]
-        return [*map(flat, xs), 0.25, *states, True, cu, seq_len, settings]
+        return [*map(flat, xs), 0.25, *states, True, cu, seq_len, settings, None, 1.0]
+    if name == "gsa_projection":   # y = (q | k | v | f) for one head of 16, 16 slots; its features are y's
+        y = torch.randn(B * T, 64, generator=torch.Generator().manual_seed(T))
+        q, k, v, s, g = feature_maps(*y.split(16, dim=-1), 8.0)
+        xs = [x.reshape(1, B * T, 1, 16).detach().requires_grad_(True) for x in (q, k, v, s, g)]
+        return [*xs, 1.0, None, None, False, cu, seq_len, settings, y.requires_grad_(True), 0.125]
     xs, h0 = test_rwkv6.make_inputs(B, T, 1, 16, 16)
     r, k, v, w, u = xs
     h0 = None if packed else h0.requires_grad_(True)
@@ -51,21 +60,27 @@ def op_inputs(name, B, T, packed, settings):
 def bwd_inputs(name, args):
     """The backward op's arguments after a forward: the saved outputs and random output gradients."""
     with torch.no_grad():
-        fwd = {"rwkv7": chunk_rwkv7_op, "gsa": chunk_gsa_op, "rwkv6": chunk_rwkv6_op}[name](*args)
+        fwd = FORWARD[name](*args)
     detach = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
-    n_out = 3 if name == "gsa" else 2                    # o and the final state(s)
-    grads = [torch.randn_like(x) for x in fwd[:n_out]]
+    n_out = 3 if name.startswith("gsa") else 2           # o and the final state(s)
+    grads = [None if x is None else torch.randn_like(x) for x in fwd[:n_out]]
     want_ht = 7 if name == "rwkv6" else 8
     inputs = detach[:want_ht] + detach[want_ht + 1:]   # the backward takes no want_ht
+    if name.startswith("gsa"):   # y and inv_norm come last
+        return [*inputs[:-2], *fwd[n_out:], *grads, *inputs[-2:]]
     return [*inputs, *fwd[n_out:], *grads]
 
+
+FORWARD = {"rwkv7": chunk_rwkv7_op, "gsa": chunk_gsa_op, "gsa_projection": chunk_gsa_op, "rwkv6": chunk_rwkv6_op}
+BACKWARD = {"rwkv7": chunk_rwkv7_bwd_op, "gsa": chunk_gsa_bwd_op, "gsa_projection": chunk_gsa_bwd_op,
+            "rwkv6": chunk_rwkv6_bwd_op}
 
 CHANGED = {"rwkv7": dict(prec="ieee", scan_bv=32, prep_maxnreg=None, blocked_scan=True),
            "gsa": dict(prec="ieee", chunk=16, dkvsg_maxnreg=None, stateless_forward=False),
            "rwkv6": dict(prec="ieee", chunk=16, blocked_scan=False)}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CHANGED))
 def test_settings_travel_as_text(name):
     # the ops take their Settings as a string: changed fields only, "" for the defaults, parsed back to equal Settings
     default = importlib.import_module(f"kernels.{name}.chunk").Settings()
@@ -78,8 +93,7 @@ def test_settings_travel_as_text(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_opcheck(name):
     common.interpreted(chunk_rwkv7)   # skips unless the interpreter runs the kernels on CPU
-    forward = {"rwkv7": chunk_rwkv7_op, "gsa": chunk_gsa_op, "rwkv6": chunk_rwkv6_op}[name]
-    backward = {"rwkv7": chunk_rwkv7_bwd_op, "gsa": chunk_gsa_bwd_op, "rwkv6": chunk_rwkv6_bwd_op}[name]
+    forward, backward = FORWARD[name], BACKWARD[name]
     rows, packed = (op_inputs(name, *case) for case in CASES[name])
     # every check on equal rows: the AOT one runs forward and backward compiled against eager
     torch.library.opcheck(forward, rows)
