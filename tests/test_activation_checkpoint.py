@@ -81,6 +81,14 @@ def test_selective_keeps_the_registered_chunk_kernels():
         assert saves_output(getattr(torch.ops.flame, name).default), name
         assert not saves_output(getattr(torch.ops.flame, f"{name}_bwd").default), name
     assert saves_output(torch.ops.aten.mm.default) and not saves_output(torch.ops.aten.mul.Tensor)
+    # of the fused glue ops, RWKV-7's output epilogue (the output projection's input) is kept; the others recomputed
+    import kernels.rwkv7_key  # noqa: F401
+    import kernels.rwkv7_out  # noqa: F401
+    import kernels.token_shift  # noqa: F401
+
+    assert saves_output(torch.ops.flame.rwkv7_out.default)
+    assert not saves_output(torch.ops.flame.rwkv7_out_bwd.default)
+    assert not saves_output(torch.ops.flame.rwkv7_key.default) and not saves_output(torch.ops.flame.shift_mix.default)
 
 
 def test_selective_blocks_compile_whole(monkeypatch):
