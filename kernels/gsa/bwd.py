@@ -110,7 +110,7 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
                LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr, SC: tl.constexpr, W: tl.constexpr):
     """A2 comes from _fwd_out, dA1 and ds's part within the chunk from _bwd_pairs: this kernel forms no pairwise
     decay. g slot-major (load_gates_by_chunk).
-    W > 0: the features came from the stacked projection y [T, W] = (q | k | v | f) (chunk.chunk_gsa_from_projection):
+    W > 0: the features came from the stacked projection y [T, W] = (q | k | v | f) (projection.py):
     the gradient of y is stored in dy through the feature maps (silu on q, k, v; g = logsigmoid(f) * inv_norm,
     s = 1 - e^g), in place of dq, dk, dv, ds and dg (dg is still this kernel's scratch)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)

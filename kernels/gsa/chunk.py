@@ -303,7 +303,9 @@ def _tables(cu, total: int, seq_len: int, M: int, st: Settings):
 # The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
 # Packed inputs [1, T, H, *] (g fp32), cu int32 [N+1]; states in the kernels' layout Hk^T [N, H, M, K], Hv [N, H, M,
 # V]. Besides o and the final states, the forward returns what the backward reads: only small [T, H, M] and
-# [T, H, BT] factors (the backward rescans the chunk states instead of holding them).
+# [T, H, BT] factors (the backward rescans the chunk states instead of holding them). y [T, W], when given, is the
+# stacked projection the features were made from (projection.py), inv_norm its gate's 1 / normalizer: the backward
+# then returns y's gradient through the feature maps, and None for the features'.
 def _forward_op(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings, y, inv_norm):
     st = from_text("gsa", settings)
     tables = _tables(cu, q.shape[1], seq_len, s.shape[3], st)
@@ -315,8 +317,7 @@ chunk_gsa_op = torch.library.custom_op(
     "flame::chunk_gsa", _forward_op, mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float scale, Tensor? hk0, Tensor? hv0, bool want_ht, "
            "Tensor cu, SymInt seq_len, str settings, Tensor? y, float inv_norm) -> (Tensor o, Tensor? hkt, "
-           "Tensor? hvt, Tensor sE, Tensor egc, "
-           "Tensor p, Tensor z, Tensor gf, Tensor a1, Tensor a2)")
+           "Tensor? hvt, Tensor sE, Tensor egc, Tensor p, Tensor z, Tensor gf, Tensor a1, Tensor a2)")
 
 
 def _fake_forward(q, k, v, s, g, scale, hk0, hv0, want_ht, cu, seq_len, settings, y, inv_norm):
