@@ -21,7 +21,7 @@ import triton
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.token_shift.naive import naive_shift_mix, naive_shift_mix_bwd
-from kernels.utils import next_pow2
+from kernels.utils import next_pow2, uses_triton
 
 MAX_MIXES = 6   # the kernels take one pointer per output and per grad
 
@@ -86,16 +86,10 @@ def _bwd(grads, x, mix, keep, first, s: Settings):
     return dx, dmix_part.sum(0).to(mix.dtype)
 
 
-def _triton(x, backend: str) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"shift_mix: backend {backend!r} (expected 'auto', 'triton' or 'torch')")
-    return backend == "triton" or (backend == "auto" and x.is_cuda)
-
-
 @torch.library.custom_op("flame::shift_mix", mutates_args=())
 def _shift_mix_op(x: torch.Tensor, mix: torch.Tensor, keep: Optional[torch.Tensor], first: Optional[torch.Tensor],
                   backend: str, settings: str) -> list[torch.Tensor]:
-    if _triton(x, backend):
+    if uses_triton(x, backend):
         return _fwd(x, mix, keep, first, Settings.decode(settings))
     return naive_shift_mix(x, mix, keep, first)
 
@@ -108,7 +102,7 @@ def _(x, mix, keep, first, backend, settings):
 @torch.library.custom_op("flame::shift_mix_bwd", mutates_args=())
 def _shift_mix_bwd_op(grads: list[torch.Tensor], x: torch.Tensor, mix: torch.Tensor, keep: Optional[torch.Tensor],
                       first: Optional[torch.Tensor], backend: str, settings: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if _triton(x, backend):
+    if uses_triton(x, backend):
         return _bwd(grads, x, mix, keep, first, Settings.decode(settings))
     return naive_shift_mix_bwd(grads, x, mix, keep, first)
 
