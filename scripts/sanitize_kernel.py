@@ -5,6 +5,7 @@ memcheck errors.
     compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 1,512,4,64,64,64   # B,T,H,K,V,M
     compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 16,256,8,64,64,64 --projection
     compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py rwkv7 1,512,4,64,64    # B,T,H,K,V
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py rwkv7 8,256,20,64,64 --logits
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main():
     p.add_argument("shape", help="the op's test shape: B,T,H,K,V (rwkv7, rwkv6) or B,T,H,K,V,M (gsa)")
     p.add_argument("--projection", action="store_true",
                    help="gsa: through chunk_gsa_from_projection (its backward stores the projection's gradient; K = V)")
+    p.add_argument("--logits", action="store_true",
+                   help="rwkv7: the decay from bf16 logits and a bias (w_bias), as the model calls it")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.exit(2, "sanitize_kernel: needs a CUDA GPU\n")
@@ -38,7 +41,14 @@ def main():
         p.exit(2, f"sanitize_kernel: wrong number of sizes for {args.op}: {args.shape}\n")
     if args.projection and (args.op != "gsa" or shape[3] != shape[4]):
         p.exit(2, "sanitize_kernel: --projection is GSA's, with K = V\n")
-    if args.projection:
+    if args.logits and args.op != "rwkv7":
+        p.exit(2, "sanitize_kernel: --logits is RWKV-7's\n")
+    if args.logits:
+        logit_inputs = importlib.import_module("tests.kernels.test_rwkv7").logit_inputs
+        xs, z, bias, _ = logit_inputs(*shape, device="cuda", dtype=torch.bfloat16)
+        r, _, k, v, a, b = (x.requires_grad_() for x in xs)
+        out = op(r, z.requires_grad_(), k, v, a, b, w_bias=bias.requires_grad_())
+    elif args.projection:
         from kernels.gsa import chunk_gsa_from_projection
         B, T, H, K, V, M = shape
         y = torch.randn(B, T, 3 * H * K + H * M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -49,7 +59,8 @@ def main():
         out = op(*xs)
     (out[0] if isinstance(out, tuple) else out).float().square().sum().backward()
     torch.cuda.synchronize()
-    print(args.op, args.shape, "(from the projection)" if args.projection else "", "forward and backward ran")
+    how = " (from the projection)" if args.projection else " (decay from logits)" if args.logits else ""
+    print(f"{args.op} {args.shape}{how}: forward and backward ran")
 
 
 if __name__ == "__main__":

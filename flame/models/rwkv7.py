@@ -19,11 +19,10 @@ from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, ortho_init, token_shift_mix
 from kernels.rwkv7 import chunk_rwkv7
+from kernels.rwkv7.decay import log_decay
 from kernels.rwkv7.step import recurrent_step
 from kernels.rwkv7_key import rwkv7_key
 from kernels.rwkv7_out import rwkv7_out
-
-DECAY_SCALE = math.exp(-0.5)  # log decay = -exp(-0.5) * sigmoid(.): per-step decay in (0.545, 1)
 
 
 def _lora_dim(hidden: int, factor: float) -> int:
@@ -141,10 +140,11 @@ class TimeMix(nn.Module):
         prev = None if cache is None else cache.attn_x
         xr, xw, xk, xv, xa, xg = token_shift_mix(x, self.lerp, keep, cu_seqlens, prev)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
-        # The log decay's nonlinearities in fp32, explicitly: bf16 sigmoid/tanh near 0 and 1 lose the slow channels
-        # over long contexts. The low-rank products run in x's dtype (fp32 accumulation), as RWKV-LM's.
-        z = self.w0.float() + (torch.tanh((xw @ self.w1).float()).to(x.dtype) @ self.w2).float()
-        w = -DECAY_SCALE * torch.sigmoid(z)
+        # The decay's logits less w0: the log decay is -e^{-1/2} sigmoid(z + w0) (kernels.rwkv7.decay), which the
+        # chunk kernel forms in fp32 from z and w0 (w_bias). The nonlinearities in fp32, explicitly: bf16 sigmoid/tanh
+        # near 0 and 1 lose the slow channels over long contexts. The low-rank products run in x's dtype (fp32
+        # accumulation), as RWKV-LM's.
+        z = torch.tanh((xw @ self.w1).float()).to(x.dtype) @ self.w2
         if self.supplies_v_first:
             v_first = v
         else:
@@ -155,23 +155,25 @@ class TimeMix(nn.Module):
         k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_pre, self.k_k, self.k_a, N))
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
         if cache is None:
-            o, _ = chunk_rwkv7(heads(r), heads(w), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens)
+            o, _ = chunk_rwkv7(heads(r), heads(z), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens,
+                               w_bias=self.w0)
         else:
-            o = self.cached_op(heads(r), heads(w), k, heads(v), neg_kk, kk_a, cu_seqlens, cache.state)
+            o = self.cached_op(heads(r), heads(z), self.w0, k, heads(v), neg_kk, kk_a, cu_seqlens, cache.state)
         # per-head GroupNorm (ln_x) + the r k bonus, gated
         o = rwkv7_out(o, heads(r), k, heads(v), self.r_k, self.ln_x.weight, self.ln_x.bias, g, self.ln_x.eps)
         return self.o_proj(o), v_first
 
     @staticmethod
-    def cached_op(r, w, k, v, a, b, cu_seqlens, state):
+    def cached_op(r, z, w0, k, v, a, b, cu_seqlens, state):
         """The recurrence from `state` (updated in place): one step for one token per row (never the prefix), else
-        the chunk op from the cached states."""
+        the chunk op from the cached states. z: the decay's logits less w0."""
         if cu_seqlens is None and r.shape[1] == 1:
-            o, new_state = recurrent_step(r[:, 0], w[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], state, scale=1.0)
+            w = log_decay(z[:, 0], w0)
+            o, new_state = recurrent_step(r[:, 0], w, k[:, 0], v[:, 0], a[:, 0], b[:, 0], state, scale=1.0)
             o = o[:, None]
         else:
-            o, new_state = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=state, output_final_state=True,
-                                       cu_seqlens=cu_seqlens)
+            o, new_state = chunk_rwkv7(r, z, k, v, a, b, scale=1.0, initial_state=state, output_final_state=True,
+                                       cu_seqlens=cu_seqlens, w_bias=w0)
         state.copy_(new_state)
         return o
 

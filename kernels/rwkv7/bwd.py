@@ -3,7 +3,7 @@
   _bwd_scan   (per sequence, head and V tile, chunks last to first): the state gradient dS (fp32), stored at each
               chunk end as dh, and dZ = T^T (scale A_rb^T do + b^ dS) for the parallel pass; dS at t=0 is dh0.
   _bwd_chunk  (per chunk and head, all at once): dv, then the pairwise-matrix gradients pushed back to r, k, a, b
-              and the log decays, summed in reverse to dw.
+              and the log decays, summed in reverse to dw (or, from logits, through the sigmoid to them).
 """
 
 from __future__ import annotations
@@ -125,10 +125,10 @@ def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-               dr, dw, dk, dv, da, db, scale, TT,
+               dr, dw, dk, dv, da, db, scale, TT, decay_scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
-               PREC: tl.constexpr):
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr,
+               BF16: tl.constexpr, PREC: tl.constexpr):
     """Token tiles are feature-major and paired: [BK or BV, 2 BT], the chunk's tokens twice along the columns, the
     first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
     [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
@@ -209,6 +209,8 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
         + tl.where(rows[None, :] == BT - 1, d_gC[:, None], 0.)
     d_ge = fold_pairs(tl.where(lo[None, :], 0., xd), BK, BT)
     dwT = run_sums_t(d_g + d_ge, rows, BT, False) + d_g
+    if LOGITS:   # w = -c sigmoid(z): dw/dz = -c sigmoid (1 - sigmoid) = w (1 + w / c)
+        dwT = dwT * wT * (1. + wT / decay_scale)
     store_cols(dw, dwT, tok, i_h, H, K, ck, m_t, m_k)
     store_pair_cols(dr, da, d_x, tok2, lo, i_h, H, K, ck, m_t2, m_k)
     store_pair_cols(db, dk, d_y, tok2, lo, i_h, H, K, ck, m_t2, m_k)

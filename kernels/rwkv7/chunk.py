@@ -2,10 +2,11 @@
 launches and the custom ops around them (math and design in README.md; the Triton kernels in fwd.py and bwd.py).
 
     o, final_state = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
-                                 cu_seqlens=None, backend=None, settings=None)
+                                 cu_seqlens=None, w_bias=None, backend=None, settings=None)
 
-r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; w is the log decay (<= 0; computed and used in fp32). Initial and final
-states [N, H, K, V] fp32. cu_seqlens [N+1] packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU
+r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; w is the log decay (<= 0; computed and used in fp32), or with w_bias
+[H * K] given RWKV-7's decay logits: the log decay is then decay.log_decay(w, w_bias), formed in fp32 inside the
+kernel, and w's gradient comes in w's dtype. Initial and final states [N, H, K, V] fp32. cu_seqlens [N+1] packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU
 tensors to the PyTorch chunked path; backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU
 tensors under TRITON_INTERPRET=1, the sm_90 compile records its launches on meta tensors).
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.launch import launch, register_fake
+from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import from_text, to_text
 from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
@@ -84,13 +86,13 @@ class Settings:
 
 
 def kept_dtype(r: torch.Tensor, s: Settings) -> torch.dtype:
-    """dtype of the chunk states h and of U, kept for the backward: bf16 where _bwd_chunk's products take bf16
-    operands (its only reads of U are such products; h also enters the chunk decay's gradient sum(S0 * dS_C)), else
-    fp32."""
+    """dtype of the chunk states h and of U, kept for the backward, and of dZ (from _bwd_scan to _bwd_chunk): bf16
+    where _bwd_chunk's products take bf16 operands (its only reads of U and dZ are such products; h also enters the
+    chunk decay's gradient sum(S0 * dS_C)), else fp32."""
     return torch.bfloat16 if s.bf16(r) else torch.float32
 
 
-def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
+def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     from kernels.rwkv7.fwd import _block_scan, _fwd_prep, _fwd_scan
 
     _, T, H, K = r.shape
@@ -105,9 +107,10 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
     TT = NT * BT
     wf = torch.empty(H, K, TT, **f32)
-    launch(_fwd_prep, (NT, H), r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
-           H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))), LEVELS=BT.bit_length() - 1,
-           BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps, maxnreg=s.prep_maxnreg)
+    launch(_fwd_prep, (NT, H), r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
+           DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
+           LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps,
+           maxnreg=s.prep_maxnreg)
     # what only the backward's bf16 products read is stored in bf16 (half the memory kept per layer)
     kept = dict(device=r.device, dtype=kept_dtype(r, s))
     h = torch.empty(NT, H, K, V, **kept)
@@ -141,7 +144,7 @@ def _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
 
 
-def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Settings):
+def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Settings):
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
     from kernels.rwkv7.fwd import _block_scan
 
@@ -153,7 +156,8 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Set
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
     dh = torch.empty(NT, H, K, V, **f32)
-    dZ = torch.empty(1, T, H, V, **f32)
+    # dZ: only _bwd_chunk's products read it, as bf16 operands where they take such (chunk.kept_dtype)
+    dZ = torch.empty(1, T, H, V, device=r.device, dtype=kept_dtype(r, s))
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     BV = s.scan_tile(V, N * H)
     TT = NT * BT
@@ -178,11 +182,12 @@ def _bwd(r, w, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Set
         launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, dh, dZ, None, dhb, scale, TT, BV=BVb,
                BLOCKED=True, OUT=True, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps, **scan)
     dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
-    dw = torch.empty_like(w)
+    dw = torch.empty_like(w)   # the logits' gradient in their dtype, or the log decay's (fp32)
     dv = torch.empty_like(v)
     launch(_bwd_chunk, (NT, H), r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-           dr, dw, dk, dv, da, db, scale, TT, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
-           LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec, num_warps=BWD_WARPS)
+           dr, dw, dk, dv, da, db, scale, TT, DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK,
+           BV=min(s.chunk_bv, max(16, next_pow2(V))), LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None,
+           BF16=s.bf16(r), PREC=s.prec, num_warps=BWD_WARPS)
     return dr, dw, dk, dv, da, db, dh0
 
 
@@ -196,24 +201,24 @@ def _tables(cu, total: int, seq_len: int, H: int, V: int, s: Settings):
 
 
 # The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
-# Packed inputs [1, T, H, *] (w fp32), cu int32 [N+1]; seq_len the common length of equal rows or 0. Besides o and
+# Packed inputs [1, T, H, *] (w fp32, or the decay's logits with w_bias [H * K]), cu int32 [N+1]; seq_len the common length of equal rows or 0. Besides o and
 # the final state, the forward returns what the backward reads: the chunk states h, U, the chunk matrices, w by chunk
 # and (blocked scans) the block maps Mb.
-def _forward_op(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
+def _forward_op(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv7", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
-    o, ht, saved = _fwd(r, w, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s)
+    o, ht, saved = _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s)
     return o, ht, *saved
 
 
 chunk_rwkv7_op = torch.library.custom_op(
     "flame::chunk_rwkv7", _forward_op, mutates_args=(),
-    schema="(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, bool want_ht, "
-           "Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h, Tensor U, Tensor Arb, "
+    schema="(Tensor r, Tensor w, Tensor? w_bias, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, "
+           "bool want_ht, Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h, Tensor U, Tensor Arb, "
            "Tensor Ark, Tensor Aak, Tensor Tinv, Tensor wf, Tensor? Mb)")
 
 
-def _fake_forward(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
+def _fake_forward(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv7", settings)
     _, T, H, K = r.shape
     V, N, BT = v.shape[3], cu.shape[0] - 1, s.chunk
@@ -227,40 +232,44 @@ def _fake_forward(r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
             *(f32(1, T, H, BT) for _ in range(4)), f32(H, K, NT * BT), Mb)
 
 
-def _backward_op(r, w, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do, dht):
+def _backward_op(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do,
+                 dht):
     s = from_text("rwkv7", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
-    return _bwd(r, w, k, v, a, b, scale, h0, cu, (h, U, Arb, Ark, Aak, Tinv, wf, Mb), tables, blocks, do, dht, s)
+    return _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, (h, U, Arb, Ark, Aak, Tinv, wf, Mb), tables, blocks, do, dht, s)
 
 
 chunk_rwkv7_bwd_op = torch.library.custom_op(
     "flame::chunk_rwkv7_bwd", _backward_op, mutates_args=(),
-    schema="(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, Tensor cu, "
-           "SymInt seq_len, str settings, Tensor h, Tensor U, Tensor Arb, Tensor Ark, Tensor Aak, Tensor Tinv, "
+    schema="(Tensor r, Tensor w, Tensor? w_bias, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, "
+           "Tensor cu, SymInt seq_len, str settings, Tensor h, Tensor U, Tensor Arb, Tensor Ark, Tensor Aak, Tensor Tinv, "
            "Tensor wf, Tensor? Mb, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, "
            "Tensor da, Tensor db, Tensor? dh0)")
 
 
-def _fake_backward(r, w, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do, dht):
+def _fake_backward(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb,
+                   do, dht):
     return (*(torch.empty_like(x) for x in (r, w, k, v, a, b)), None if h0 is None else torch.empty_like(h0))
 
 
 def _autograd_setup(ctx, inputs, output):
-    r, w, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings = inputs
+    r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings = inputs
     saved = output[2:]
     ctx.mark_non_differentiable(*(x for x in saved if x is not None))
     # no zero gradients made for the saved outputs (as large as the chunk states); an unused o gets one below
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(r, w, k, v, a, b, h0, cu, *saved)
+    ctx.save_for_backward(r, w, w_bias, k, v, a, b, h0, cu, *saved)
     ctx.scale, ctx.seq_len, ctx.settings = scale, seq_len, settings
 
 
 def _autograd_backward(ctx, do, dht, *_):
-    r, w, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
+    r, w, w_bias, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do.contiguous()
-    dr, dw, dk, dv, da, db, dh0 = chunk_rwkv7_bwd_op(r, w, k, v, a, b, ctx.scale, h0, cu, ctx.seq_len, ctx.settings,
-                                                     *saved, do, None if dht is None else dht.contiguous())
-    return dr, dw, dk, dv, da, db, None, dh0, None, None, None, None
+    dr, dw, dk, dv, da, db, dh0 = chunk_rwkv7_bwd_op(r, w, w_bias, k, v, a, b, ctx.scale, h0, cu, ctx.seq_len,
+                                                     ctx.settings, *saved, do, None if dht is None else dht.contiguous())
+    # the bias's gradient: the logits' gradient (as stored, in their dtype) summed over the tokens
+    d_bias = None if w_bias is None else dw.float().sum((0, 1)).view(w_bias.shape).to(w_bias.dtype)
+    return dr, dw, d_bias, dk, dv, da, db, None, dh0, None, None, None, None
 
 
 chunk_rwkv7_op.register_autograd(_autograd_backward, setup_context=_autograd_setup)
@@ -268,33 +277,39 @@ register_fake(chunk_rwkv7_op, _fake_forward, _forward_op)
 register_fake(chunk_rwkv7_bwd_op, _fake_backward, _backward_op)
 
 
-def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, settings: str):
+def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, w_bias,
+                        settings: str):
     B, T, H, K = r.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
         assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
     cu = as_varlen(B, T, cu_seqlens, r.device)
     flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
-    # The decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels).
+    # The log decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels); logits are
+    # taken as they come (the kernel forms the log decay from them in fp32).
     r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
-    w_ = flat(w.float())
+    w_ = flat(w.float() if w_bias is None else w)
+    bias = None if w_bias is None else w_bias.reshape(H * K).contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht, *_ = chunk_rwkv7_op(r_, w_, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu,
+    o, ht, *_ = chunk_rwkv7_op(r_, w_, bias, k_, v_, a_, b_, float(scale), h0, bool(output_final_state), cu,
                                T if cu_seqlens is None else 0, settings)
     return o.reshape(B, T, H, V), ht
 
 
 def chunk_rwkv7(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
-                cu_seqlens=None, backend: str | None = None, settings: Settings | None = None):
+                cu_seqlens=None, w_bias=None, backend: str | None = None, settings: Settings | None = None):
     """RWKV-7 over packed or batched sequences: returns (o [B, T, H, V] in v's dtype, final state or None).
-    `settings` tunes the Triton kernel (None: Settings())."""
+    With `w_bias`, w holds the decay's logits (module docstring). `settings` tunes the Triton kernel (None:
+    Settings())."""
     if backend is None:
         backend = "triton" if r.is_cuda and triton is not None else "torch"
     if backend == "torch":
+        if w_bias is not None:
+            w = log_decay(w, w_bias)
         return chunk_rwkv7_torch(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
     if backend != "triton":
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    return _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+    return _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, w_bias,
                                "" if settings is None else to_text(settings))
 
 

@@ -46,9 +46,11 @@ def level_sums(w, rows, cols, BS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
+def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT, decay_scale,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
+              BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr, BF16: tl.constexpr,
+              PREC: tl.constexpr):
+    """LOGITS: w holds the decay's logits, the log decay is -decay_scale * sigmoid(w + w_bias) (decay.py), in fp32."""
     if spare_chunk(cu, chunk_index, BT):
         return
     i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
@@ -56,6 +58,9 @@ def _fwd_prep(r, w, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
     # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
     b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
     b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
+    if LOGITS:   # (padded rows and features set to w = 0 again)
+        bias = tl.load(w_bias + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
+        b_w = tl.where(m_t[:, None] & m_k[None, :], -decay_scale * tl.sigmoid(b_w + bias[None, :]), 0.)
     b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
     b_a = load_rows(a, tok, i_h, H, K, ck, m_t, m_k)
     b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)

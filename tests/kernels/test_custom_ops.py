@@ -1,5 +1,5 @@
-"""The Triton chunk kernels as custom ops (flame::chunk_rwkv7, flame::chunk_gsa (also with the stacked projection y
-whose gradient its backward returns), flame::chunk_rwkv6 and their _bwd):
+"""The Triton chunk kernels as custom ops (flame::chunk_rwkv7 (also with the decay from its logits), flame::chunk_gsa
+(also with the stacked projection y whose gradient its backward returns), flame::chunk_rwkv6 and their _bwd):
 torch.library.opcheck of each operator on tiny inputs through the kernel under the interpreter (schema, fake against
 the real outputs, autograd registration, AOT dispatch with dynamic shapes against eager), and one
 torch.compile(fullgraph=True) of a whole RWKV-7 block on the Triton path: one graph, eager's outputs and gradients."""
@@ -24,6 +24,8 @@ from tests.kernels import common, test_gsa, test_rwkv6, test_rwkv7
 # seq_len 0, no states) with the op's other scan regime forced through its settings text.
 CASES = {
     "rwkv7": [(2, 16, False, ""), (1, 32, True, "blocked_scan=True,block_chunks=1")],
+    # the decay from its logits and bias (w_bias): the backward returns the logits' gradient
+    "rwkv7_logits": [(2, 16, False, ""), (1, 32, True, "blocked_scan=True,block_chunks=1")],
     "gsa": [(2, 16, False, "stateless_forward=False"), (1, 32, True, "stateless_forward=True")],
     # the features from the stacked projection y (chunk_gsa_from_projection): the backward returns y's gradient
     "gsa_projection": [(2, 16, False, "stateless_forward=False"), (1, 32, True, "stateless_forward=True")],
@@ -37,10 +39,16 @@ def op_inputs(name, B, T, packed, settings):
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:]).contiguous().requires_grad_(True)  # noqa: E731
     cu = PACKED if packed else torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
     seq_len = 0 if packed else T
-    if name == "rwkv7":
-        xs, h0 = test_rwkv7.make_inputs(B, T, 1, 16, 16)
+    if name.startswith("rwkv7"):
+        if name == "rwkv7":
+            xs, h0 = test_rwkv7.make_inputs(B, T, 1, 16, 16)
+            bias = None
+        else:
+            xs, xs[1], bias, h0 = test_rwkv7.logit_inputs(B, T, 1, 16, 16)
+            bias = bias.requires_grad_(True)
         h0 = None if packed else h0.requires_grad_(True)
-        return [*map(flat, xs), 0.5, h0, True, cu, seq_len, settings]
+        r, w, *rest = map(flat, xs)
+        return [r, w, bias, *rest, 0.5, h0, True, cu, seq_len, settings]
     if name == "gsa":
         xs, (hk0, hv0) = test_gsa.make_inputs(B, T, 1, 16, 16, 16)
         states = [None, None] if packed else [hk0.transpose(-1, -2).contiguous().requires_grad_(True),
@@ -64,16 +72,17 @@ def bwd_inputs(name, args):
     detach = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
     n_out = 3 if name.startswith("gsa") else 2           # o and the final state(s)
     grads = [None if x is None else torch.randn_like(x) for x in fwd[:n_out]]
-    want_ht = 7 if name == "rwkv6" else 8
+    want_ht = {"rwkv6": 7, "rwkv7": 9, "rwkv7_logits": 9}.get(name, 8)
     inputs = detach[:want_ht] + detach[want_ht + 1:]   # the backward takes no want_ht
     if name.startswith("gsa"):   # y and inv_norm come last
         return [*inputs[:-2], *fwd[n_out:], *grads, *inputs[-2:]]
     return [*inputs, *fwd[n_out:], *grads]
 
 
-FORWARD = {"rwkv7": chunk_rwkv7_op, "gsa": chunk_gsa_op, "gsa_projection": chunk_gsa_op, "rwkv6": chunk_rwkv6_op}
-BACKWARD = {"rwkv7": chunk_rwkv7_bwd_op, "gsa": chunk_gsa_bwd_op, "gsa_projection": chunk_gsa_bwd_op,
-            "rwkv6": chunk_rwkv6_bwd_op}
+FORWARD = {"rwkv7": chunk_rwkv7_op, "rwkv7_logits": chunk_rwkv7_op, "gsa": chunk_gsa_op,
+           "gsa_projection": chunk_gsa_op, "rwkv6": chunk_rwkv6_op}
+BACKWARD = {"rwkv7": chunk_rwkv7_bwd_op, "rwkv7_logits": chunk_rwkv7_bwd_op, "gsa": chunk_gsa_bwd_op,
+            "gsa_projection": chunk_gsa_bwd_op, "rwkv6": chunk_rwkv6_bwd_op}
 
 CHANGED = {"rwkv7": dict(prec="ieee", scan_bv=32, prep_maxnreg=None, blocked_scan=True),
            "gsa": dict(prec="ieee", chunk=16, dkvsg_maxnreg=None, stateless_forward=False),

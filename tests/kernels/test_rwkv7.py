@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kernels.rwkv7 import chunk_rwkv7, chunk_rwkv7_torch, naive_rwkv7
 from kernels.rwkv7.chunk import Settings
+from kernels.rwkv7.decay import log_decay
 from tests.kernels import common
 from tests.kernels.common import CPU_TOL, GPU_TOL, run
 
@@ -160,6 +161,78 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(blocked, interp):
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, f"varlen blocked={blocked}")
 
 
+# ---------------------------------------------------------------- the decay from its logits (w_bias)
+
+LOGIT_NAMES = ("o", "ht", "dr", "dz", "dw_bias", "dk", "dv", "da", "db", "dh0")
+
+
+def logit_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, seed=0, n_seq=None, spread=3.0):
+    """make_inputs with RWKV-7's decay logits z [B, T, H, K] (in dtype) and bias [H * K] (fp32) instead of w:
+    `spread` sets how far z + bias reaches into the sigmoid's flat ends (logits of -6 .. 6 and beyond)."""
+    xs, h0 = make_inputs(B, T, H, K, V, device=device, dtype=dtype, seed=seed, n_seq=n_seq)
+    gen = torch.Generator().manual_seed(seed + 1)
+    z = (spread * torch.randn(B, T, H, K, generator=gen)).to(device=device, dtype=dtype)
+    bias = torch.linspace(-spread, spread, H * K)[torch.randperm(H * K, generator=gen)].to(device)
+    return xs, z, bias, h0
+
+
+def run_logits(fn, xs, z, bias, h0, scale, cu=None, **kw):
+    """(outputs, gradients) of fn(r, z, k, v, a, b, w_bias=bias) for fixed random cotangents, in LOGIT_NAMES order."""
+    r, k, v, a, b = (x.detach().clone().requires_grad_(True) for i, x in enumerate(xs) if i != 1)
+    z, bias = z.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+    h0 = None if h0 is None else h0.detach().clone().requires_grad_(True)
+    o, ht = fn(r, z, k, v, a, b, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu, w_bias=bias,
+               **kw)
+    gen = torch.Generator().manual_seed(1)
+    do, dht = (torch.randn(x.shape, generator=gen).to(x.device) for x in (o, ht))
+    ((o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()).backward()
+    return [o.detach(), ht.detach(), r.grad, z.grad, bias.grad, k.grad, v.grad, a.grad, b.grad,
+            None if h0 is None else h0.grad]
+
+
+def logits_reference(xs, z, bias, h0, scale, cu=None):
+    """The fp64 recurrence on log_decay(z, bias), differentiated through the sigmoid by autograd."""
+    def fn(r, z, k, v, a, b, w_bias, **kw):
+        return naive_rwkv7(r, log_decay(z.double(), w_bias.double()), k, v, a, b, **kw)
+    return run_logits(fn, [x.double() for x in xs], z.double(), bias.double(), None if h0 is None else h0.double(),
+                      scale, cu)
+
+
+def test_log_decay_is_rwkv7s():
+    # RWKV-LM's x070: w = -softplus(-(w0 + lora)) - 0.5, decay = exp(-exp(w)) = exp(-e^{-0.5} sigmoid(w0 + lora))
+    z = torch.linspace(-30, 30, 101, dtype=torch.float64)[:, None, None].expand(101, 1, 4)
+    bias = torch.tensor([-1.0, 0.0, 0.5, 2.0], dtype=torch.float64)
+    rwkv_lm = -torch.exp(-F.softplus(-(z + bias), threshold=100) - 0.5)   # (no linear tail: exact to 1e-12)
+    assert torch.allclose(log_decay(z, bias), rwkv_lm, rtol=1e-12, atol=0)
+    assert log_decay(z.float(), bias).dtype == torch.float32 and log_decay(z.bfloat16(), bias).dtype == torch.float32
+
+
+@pytest.mark.parametrize("T,lens", [(100, None), (None, [1, 17, 64, 9])])
+def test_torch_path_decay_from_logits(T, lens):
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
+    xs, z, bias, h0 = logit_inputs(1, T or sum(lens), 2, 32, 32, n_seq=1 if lens is None else len(lens), seed=3)
+    got = run_logits(chunk_rwkv7, xs, z, bias, h0, 0.5, cu)
+    common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, "torch path", LOGIT_NAMES)
+
+
+@pytest.mark.parametrize("T,lens", [(100, None), (None, [1, 17, 64, 9])])
+def test_triton_interpreter_decay_from_logits(T, lens, interp):
+    # fp32: the log decay formed in _fwd_prep (padded rows stay at w = 0) and the logits' gradient through the sigmoid
+    # in _bwd_chunk, against autograd through the fp64 recurrence; the bias's gradient is their sum over tokens.
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
+    xs, z, bias, h0 = logit_inputs(1, T or sum(lens), 2, 32, 64, n_seq=1 if lens is None else len(lens), seed=4)
+    got = run_logits(interp, xs, z, bias, h0, 0.5, cu)
+    common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, "interpreter", LOGIT_NAMES)
+
+
+def test_triton_interpreter_decay_from_bf16_logits(interp):
+    # As the model calls it: bf16 inputs and logits, bf16 products; the logits' gradient comes back in bf16.
+    xs, z, bias, h0 = logit_inputs(1, 200, 2, 64, 64, dtype=torch.bfloat16, seed=5)
+    got = run_logits(interp, xs, z, bias, h0, 1.0)
+    assert got[3].dtype == torch.bfloat16 and got[4].dtype == torch.float32
+    common.assert_close(got, logits_reference(xs, z, bias, h0, 1.0), GPU_TOL, "bf16 logits", LOGIT_NAMES)
+
+
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
 
 gpu = pytest.mark.gpu
@@ -196,6 +269,17 @@ def test_gpu_initial_state_block_sizes(K, V, bv):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_stress_decays_t4096(dtype):
     common.gpu_stress_decays_t4096(OP, dtype, seed=8)
+
+
+@gpu
+@pytest.mark.parametrize("B,T,H,lens", [(8, 512, 20, None), (1, None, 4, [1, 15, 100, 333, 64])])
+def test_gpu_decay_from_logits(B, T, H, lens):
+    # bf16 logits (the 0.6B layer's heads, and packed sequences) against the fp64 recurrence on their log decays
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0).cuda()
+    xs, z, bias, h0 = logit_inputs(B, T or sum(lens), H, 64, 64, device="cuda", dtype=torch.bfloat16, seed=6,
+                                   n_seq=None if lens is None else len(lens))
+    got = run_logits(chunk_rwkv7, xs, z, bias, h0, 1.0, cu)
+    common.assert_close(got, logits_reference(xs, z, bias, h0, 1.0, cu), GPU_TOL, "gpu logits", LOGIT_NAMES)
 
 
 @gpu
