@@ -6,9 +6,10 @@ launches and the custom ops around them (math and design in README.md; the Trito
 
 r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; w is the log decay (<= 0; computed and used in fp32), or with w_bias
 [H * K] given RWKV-7's decay logits: the log decay is then decay.log_decay(w, w_bias), formed in fp32 inside the
-kernel, and w's gradient comes in w's dtype. Initial and final states [N, H, K, V] fp32. cu_seqlens [N+1] packs N sequences into B = 1. CUDA tensors go to the Triton kernel, CPU
-tensors to the PyTorch chunked path; backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU
-tensors under TRITON_INTERPRET=1, the sm_90 compile records its launches on meta tensors).
+kernel, and w's gradient comes in w's dtype. Initial and final states [N, H, K, V] fp32. cu_seqlens [N+1] packs N
+sequences into B = 1. CUDA tensors go to the Triton kernel, CPU tensors to the PyTorch chunked path;
+backend='triton' | 'torch' forces one (tests run the Triton kernel on CPU tensors under TRITON_INTERPRET=1, the sm_90
+compile records its launches on meta tensors).
 
 The Triton path is the operator flame::chunk_rwkv7 (backward: flame::chunk_rwkv7_bwd), so that torch.compile traces
 a whole block through it without a graph break. The PyTorch path stays outside: it is differentiable and traceable
@@ -201,9 +202,9 @@ def _tables(cu, total: int, seq_len: int, H: int, V: int, s: Settings):
 
 
 # The Triton kernel as one operator torch.compile traces as a whole (no graph break), with the backward a second one.
-# Packed inputs [1, T, H, *] (w fp32, or the decay's logits with w_bias [H * K]), cu int32 [N+1]; seq_len the common length of equal rows or 0. Besides o and
-# the final state, the forward returns what the backward reads: the chunk states h, U, the chunk matrices, w by chunk
-# and (blocked scans) the block maps Mb.
+# Packed inputs [1, T, H, *] (w fp32, or the decay's logits with w_bias [H * K]), cu int32 [N+1]; seq_len the common
+# length of equal rows or 0. Besides o and the final state, the forward returns what the backward reads: the chunk
+# states h, U, the chunk matrices, w by chunk and (blocked scans) the block maps Mb.
 def _forward_op(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
     s = from_text("rwkv7", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
@@ -214,8 +215,8 @@ def _forward_op(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, setti
 chunk_rwkv7_op = torch.library.custom_op(
     "flame::chunk_rwkv7", _forward_op, mutates_args=(),
     schema="(Tensor r, Tensor w, Tensor? w_bias, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, "
-           "bool want_ht, Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h, Tensor U, Tensor Arb, "
-           "Tensor Ark, Tensor Aak, Tensor Tinv, Tensor wf, Tensor? Mb)")
+           "bool want_ht, Tensor cu, SymInt seq_len, str settings) -> (Tensor o, Tensor? ht, Tensor h, Tensor U, "
+           "Tensor Arb, Tensor Ark, Tensor Aak, Tensor Tinv, Tensor wf, Tensor? Mb)")
 
 
 def _fake_forward(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, settings):
@@ -236,15 +237,16 @@ def _backward_op(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, 
                  dht):
     s = from_text("rwkv7", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
-    return _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, (h, U, Arb, Ark, Aak, Tinv, wf, Mb), tables, blocks, do, dht, s)
+    saved = (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
+    return _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s)
 
 
 chunk_rwkv7_bwd_op = torch.library.custom_op(
     "flame::chunk_rwkv7_bwd", _backward_op, mutates_args=(),
     schema="(Tensor r, Tensor w, Tensor? w_bias, Tensor k, Tensor v, Tensor a, Tensor b, float scale, Tensor? h0, "
-           "Tensor cu, SymInt seq_len, str settings, Tensor h, Tensor U, Tensor Arb, Tensor Ark, Tensor Aak, Tensor Tinv, "
-           "Tensor wf, Tensor? Mb, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, "
-           "Tensor da, Tensor db, Tensor? dh0)")
+           "Tensor cu, SymInt seq_len, str settings, Tensor h, Tensor U, Tensor Arb, Tensor Ark, Tensor Aak, "
+           "Tensor Tinv, Tensor wf, Tensor? Mb, Tensor do, Tensor? dht) -> (Tensor dr, Tensor dw, Tensor dk, "
+           "Tensor dv, Tensor da, Tensor db, Tensor? dh0)")
 
 
 def _fake_backward(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb,
@@ -265,8 +267,9 @@ def _autograd_setup(ctx, inputs, output):
 def _autograd_backward(ctx, do, dht, *_):
     r, w, w_bias, k, v, a, b, h0, cu, *saved = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do.contiguous()
+    dht = None if dht is None else dht.contiguous()
     dr, dw, dk, dv, da, db, dh0 = chunk_rwkv7_bwd_op(r, w, w_bias, k, v, a, b, ctx.scale, h0, cu, ctx.seq_len,
-                                                     ctx.settings, *saved, do, None if dht is None else dht.contiguous())
+                                                     ctx.settings, *saved, do, dht)
     # the bias's gradient: the logits' gradient (as stored, in their dtype) summed over the tokens
     d_bias = None if w_bias is None else dw.float().sum((0, 1)).view(w_bias.shape).to(w_bias.dtype)
     return dr, dw, d_bias, dk, dv, da, db, None, dh0, None, None, None, None
