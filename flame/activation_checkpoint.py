@@ -1,9 +1,9 @@
 """Activation checkpointing of each block of `model.layers` (training.activation_checkpoint).
 
 full: a block keeps only its inputs; backward runs its whole forward again.
-selective: a block keeps the outputs of the ops that are expensive to run again (matmuls, attention, our chunk
-kernels, RWKV-7's output epilogue) and recomputes the rest (elementwise work, norms, activations, token shifts) from them in backward, so
-backward never repeats a matmul or a kernel. It costs more memory than full and less than none.
+selective: a block keeps the outputs of the ops that are expensive to run again (matmuls, attention, our chunk kernels,
+RWKV-7's output epilogue) and recomputes the rest (elementwise work, norms, activations, token shifts) from them in
+backward, so backward never repeats a matmul or a kernel. It costs more memory than full and less than none.
 """
 
 from __future__ import annotations
