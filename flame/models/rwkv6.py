@@ -19,7 +19,7 @@ from torch import nn
 from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, token_shift,
-                                      token_shift_mix)
+                                      norm_shift_mix_cached)
 from kernels.rwkv6 import chunk_rwkv6
 from kernels.rwkv6.step import recurrent_step
 
@@ -173,9 +173,10 @@ class ChannelMix(nn.Module):
         nn.init.zeros_(self.receptance.weight)          # the gate starts at sigmoid(0) = 1/2 everywhere
         nn.init.zeros_(self.value.weight)
 
-    def forward(self, x, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
-        xk, xr = token_shift_mix(x, torch.stack([self.maa_k, self.maa_r]), keep, cu_seqlens,
-                                 None if cache is None else cache.ffn_x)
+    def forward(self, x, norm, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
+        """x: the residual stream; norm: the block's ffn_norm, applied with the token shift."""
+        xk, xr = norm_shift_mix_cached(x, norm, torch.stack([self.maa_k, self.maa_r]), keep, cu_seqlens,
+                                       None if cache is None else cache.ffn_x)
         k = torch.relu(self.key(xk)).square()
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
@@ -190,7 +191,7 @@ class Block(nn.Module):
 
     def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
         x = x + self.attn(self.attn_norm(x), keep, cu_seqlens, cache)
-        return x + self.ffn(self.ffn_norm(x), keep, cu_seqlens, cache)
+        return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache)
 
 
 @register("rwkv6", RWKV6Args)

@@ -17,7 +17,7 @@ from torch import nn
 
 from flame.config import ModelArgs, check
 from flame.models import register
-from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, ortho_init, token_shift_mix
+from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, norm_shift_mix_cached, ortho_init
 from kernels.rwkv7 import chunk_rwkv7
 from kernels.rwkv7.decay import log_decay
 from kernels.rwkv7.step import recurrent_step
@@ -132,13 +132,14 @@ class TimeMix(nn.Module):
         self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
         nn.init.zeros_(self.ln_x.bias)
 
-    def forward(self, x, v_first, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
+    def forward(self, x, norm, v_first, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
         """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
-        continue their cached sequences; the cached pass reads and updates the cache in place."""
+        continue their cached sequences; the cached pass reads and updates the cache in place. x: the residual
+        stream; norm: the block's attn_norm, applied with the token shift."""
         B, T, C = x.shape
         H, N = self.n_heads, self.args.head_dim
         prev = None if cache is None else cache.attn_x
-        xr, xw, xk, xv, xa, xg = token_shift_mix(x, self.lerp, keep, cu_seqlens, prev)
+        xr, xw, xk, xv, xa, xg = norm_shift_mix_cached(x, norm, self.lerp, keep, cu_seqlens, prev)
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
         # The decay's logits less w0: the log decay is -e^{-1/2} sigmoid(z + w0) (kernels.rwkv7.decay), which the
         # chunk kernel forms in fp32 from z and w0 (w_bias). The nonlinearities in fp32, explicitly: bf16 sigmoid/tanh
@@ -196,8 +197,9 @@ class ChannelMix(nn.Module):
         nn.init.orthogonal_(self.key.weight, gain=1.0)   # [4C, C]: orthonormal columns, no sqrt(4) shape gain
         nn.init.zeros_(self.value.weight)
 
-    def forward(self, x, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
-        h = token_shift_mix(x, self.x_k[None], keep, cu_seqlens, None if cache is None else cache.ffn_x)[0]
+    def forward(self, x, norm, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
+        """x: the residual stream; norm: the block's ffn_norm, applied with the token shift."""
+        h = norm_shift_mix_cached(x, norm, self.x_k[None], keep, cu_seqlens, None if cache is None else cache.ffn_x)[0]
         return self.value(torch.relu(self.key(h)).square())
 
 
@@ -213,9 +215,9 @@ class Block(nn.Module):
         """(x, v_first) from the first layer, (x, None) from the others: handing an input back out makes FSDP2 warn
         that the block returned a view (its pre-forward hook makes views of the inputs). With a cache: a cached pass
         (TimeMix.forward)."""
-        h, v = self.attn(self.attn_norm(x), v_first, keep, cu_seqlens, cache)
+        h, v = self.attn(x, self.attn_norm, v_first, keep, cu_seqlens, cache)
         x = x + h
-        return x + self.ffn(self.ffn_norm(x), keep, cu_seqlens, cache), v if self.attn.supplies_v_first else None
+        return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache), v if self.attn.supplies_v_first else None
 
 
 @register("rwkv7", RWKV7Args)

@@ -13,7 +13,7 @@ from torch import nn
 
 from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
 from flame.optim import ParamGroup, trainable_parameters
-from kernels.token_shift import shift_mix
+from kernels.token_shift import norm_shift_mix
 
 
 def token_shift(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -35,15 +35,17 @@ def cached_token_shift(x: torch.Tensor, prev: torch.Tensor, keep: torch.Tensor |
     return shifted
 
 
-def token_shift_mix(x: torch.Tensor, mix: torch.Tensor, keep: torch.Tensor | None,
-                    cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """x + (x_{t-1} - x) * mix[i] for each row of mix [n, C]: n tensors [B, T, C], in one pass over x
+def norm_shift_mix_cached(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor, keep: torch.Tensor | None,
+                          cu_seqlens: torch.Tensor | None = None,
+                          prev: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """xn + (xn_{t-1} - xn) * mix[i] for each row of mix [n, C], xn = norm(x): n tensors [B, T, C], in one pass over x
     (kernels.token_shift).
     With a cache's `prev` [B, C] (a cached pass) rows of x continue their sequences from prev, packed documents (a
-    prefill) start from zero as in training; prev then holds each sequence's last x (updated in place)."""
-    out = shift_mix(x, mix, keep, prev if prev is not None and cu_seqlens is None else None)
+    prefill) start from zero as in training; prev then holds each sequence's last xn (updated in place)."""
+    out = norm_shift_mix(x, norm.weight, norm.bias, norm.eps, mix, keep,
+                         prev if prev is not None and cu_seqlens is None else None)
     if prev is not None:
-        prev.copy_(last_tokens(x, cu_seqlens))
+        prev.copy_(norm(last_tokens(x, cu_seqlens)))
     return out
 
 

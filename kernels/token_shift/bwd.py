@@ -1,41 +1,76 @@
-"""Triton backward of shift_mix (README.md): one program per TILES x BT tokens and BC channels of one row, a tile of
-BT tokens at a time. Per tile it reads the n grads once (and each shifted by one token for the path through the next
-token's x_prev, from L1/L2), x and its previous token, writes dx, and sums g_i * (x_prev - x) over its tokens in
-fp32 registers: one partial dmix [n, BC] per program, summed over programs afterwards."""
+"""Triton backward of norm_shift_mix (README.md), two kernels.
+
+`_shift_mix_bwd`: one program per TILES x BT tokens and BC channels of one sequence, a tile of BT tokens at a time.
+Per tile it reads the n grads once (and each shifted by one token for the path through the next token's xn_prev, from
+L1/L2), x and its previous token (normalized again from the forward's row stats), forms the gradient dxn of the
+LayerNorm's output and writes dxn * weight; it sums g_i * (xn_prev - xn), dxn * xh and dxn over its tokens in fp32
+registers (one partial [n + 2, BC] per program: dmix, dweight, dbias).
+
+`_norm_bwd`: the LayerNorm's backward over BT whole rows, dx = rstd * (gw - (sum(gw) + xh * sum(gw * xh)) / C), the
+sums over each token's channels, written over gw."""
 
 import triton
 import triton.language as tl
 
-from kernels.token_shift.fwd import pick, tile_and_previous
+from kernels.token_shift.fwd import pick, previous
 
 
 @triton.jit
-def _shift_mix_bwd(x, mix, keep, first, g0, g1, g2, g3, g4, g5, dx, dmix_part, T, C, N: tl.constexpr, NP: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr, HAS_KEEP: tl.constexpr,
-                   HAS_FIRST: tl.constexpr):
+def _shift_mix_bwd(x, weight, bias, mix, keep, first, stats, g0, g1, g2, g3, g4, g5, gw, param_part, B, T, C, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr,
+                   HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = i_c * BC + tl.arange(0, BC)
     m_c = c < C
     rows = tl.arange(0, NP)
-    b_dmix = tl.zeros([NP, BC], dtype=tl.float32)
+    b_w = tl.load(weight + c, mask=m_c, other=0.).to(tl.float32)[None, :]
+    b_b = tl.load(bias + c, mask=m_c, other=0.).to(tl.float32)[None, :]
+    b_acc = tl.zeros([NP, BC], dtype=tl.float32)
     for j in range(TILES):
         t = (i_t * TILES + j) * BT + tl.arange(0, BT)
         m = (t < T)[:, None] & m_c[None, :]
-        b_x, b_p, offs = tile_and_previous(x, keep, first, i_b, t, c, m, T, C, HAS_KEEP, HAS_FIRST)
-        d = b_p - b_x
-        # x[t] is x_prev of token t + 1 unless t + 1 starts a document (or is past the row)
+        row = i_b * T + t
+        offs = i_b.to(tl.int64) * T * C + t[:, None] * C + c[None, :]
+        mean = tl.load(stats + row, mask=t < T, other=0.)[:, None]
+        rstd = tl.load(stats + B * T + row, mask=t < T, other=0.)[:, None]
+        m_p = m & (t > 0)[:, None]
+        mean_p = tl.load(stats + row - 1, mask=(t < T) & (t > 0), other=0.)[:, None]
+        rstd_p = tl.load(stats + B * T + row - 1, mask=(t < T) & (t > 0), other=0.)[:, None]
+        b_xh = (tl.load(x + offs, mask=m, other=0.).to(tl.float32) - mean) * rstd
+        b_xn = b_xh * b_w + b_b
+        b_pn = ((tl.load(x + offs - C, mask=m_p, other=0.).to(tl.float32) - mean_p) * rstd_p) * b_w + b_b
+        d = previous(b_pn, t, c, i_b, keep, first, T, C, HAS_KEEP, HAS_FIRST) - b_xn
+        # xn[t] is xn_prev of token t + 1 unless t + 1 starts a document (or is past the row)
         m_n = m & (t + 1 < T)[:, None]
         if HAS_KEEP:
             b_kn = tl.load(keep + t + 1, mask=t + 1 < T, other=0.)
             m_n = m_n & (b_kn != 0)[:, None]
-        b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+        b_dxn = tl.zeros([BT, BC], dtype=tl.float32)
         for i in tl.static_range(N):
             b_m = tl.load(mix + i * C + c, mask=m_c, other=0.).to(tl.float32)[None, :]
             g = pick(i, g0, g1, g2, g3, g4, g5)
             b_g = tl.load(g + offs, mask=m, other=0.).to(tl.float32)
             b_gn = tl.load(g + offs + C, mask=m_n, other=0.).to(tl.float32)
-            b_dx += b_g * (1. - b_m) + b_gn * b_m
-            b_dmix += tl.where(rows[:, None] == i, tl.sum(b_g * d, axis=0)[None, :], 0.)
-        tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
+            b_dxn += b_g * (1. - b_m) + b_gn * b_m
+            b_acc += tl.where(rows[:, None] == i, tl.sum(b_g * d, axis=0)[None, :], 0.)
+        b_acc += tl.where(rows[:, None] == N, tl.sum(b_dxn * b_xh, axis=0)[None, :], 0.)
+        b_acc += tl.where(rows[:, None] == N + 1, tl.sum(b_dxn, axis=0)[None, :], 0.)
+        tl.store(gw + offs, (b_dxn * b_w).to(gw.dtype.element_ty), mask=m)
     i_p = i_b * tl.num_programs(0) + i_t
-    tl.store(dmix_part + (i_p * N + rows[:, None]) * C + c[None, :], b_dmix, mask=(rows < N)[:, None] & m_c[None, :])
+    tl.store(param_part + (i_p * (N + 2) + rows[:, None]) * C + c[None, :], b_acc,
+             mask=(rows < N + 2)[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _norm_bwd(x, stats, gw, B, T, C, BT: tl.constexpr, BC: tl.constexpr):
+    i_t, i_b = tl.program_id(0), tl.program_id(1)
+    t = i_t * BT + tl.arange(0, BT)
+    c = tl.arange(0, BC)
+    m = (t < T)[:, None] & (c < C)[None, :]
+    row = i_b * T + t
+    mean = tl.load(stats + row, mask=t < T, other=0.)[:, None]
+    rstd = tl.load(stats + B * T + row, mask=t < T, other=0.)[:, None]
+    offs = i_b.to(tl.int64) * T * C + t[:, None] * C + c[None, :]
+    b_xh = tl.where(m, (tl.load(x + offs, mask=m, other=0.).to(tl.float32) - mean) * rstd, 0.)
+    b_gw = tl.load(gw + offs, mask=m, other=0.).to(tl.float32)
+    s1, s2 = tl.sum(b_gw, axis=1)[:, None], tl.sum(b_gw * b_xh, axis=1)[:, None]
+    tl.store(gw + offs, (rstd * (b_gw - (s1 + b_xh * s2) / C)).to(gw.dtype.element_ty), mask=m)
