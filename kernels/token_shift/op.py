@@ -49,10 +49,10 @@ class Settings(TextSettings):
     the grid stays within what an H100 holds at once (RWKV-7 0.6B: 1280 one-warp programs)."""
     bwd_warps: int = 1
     """Warps of the backward."""
-    norm_bt: int = 2
-    """Tokens per program of the LayerNorm's backward (whole rows, as the forward)."""
+    norm_bt: int = 8
+    """Tokens per program of the LayerNorm's elementwise backward (channel tiles of bwd_bc)."""
     norm_warps: int = 4
-    """Warps of the LayerNorm's backward."""
+    """Warps of the LayerNorm's elementwise backward."""
 
 
 def _six(tensors: list) -> list:
@@ -80,14 +80,15 @@ def _bwd(grads, x, weight, bias, mix, stats, keep, first, s: Settings):
     n = mix.shape[0]
     BT, BC = s.bwd_bt, min(s.bwd_bc, next_pow2(C))
     tiles = max(1, min(s.bwd_tiles, triton.cdiv(T, BT)))
-    programs_t = triton.cdiv(T, BT * tiles)
+    programs_t, n_c = triton.cdiv(T, BT * tiles), triton.cdiv(C, BC)
     dx = torch.empty_like(x)     # dxn * weight, then dx in place
+    row_part = torch.empty(B, T, n_c, 2, device=x.device, dtype=torch.float32)   # each channel tile's two row sums
     param_part = torch.empty(B * programs_t, n + 2, C, device=x.device, dtype=torch.float32)
-    launch(_shift_mix_bwd, (programs_t, triton.cdiv(C, BC), B), x, weight, bias, mix, keep, first, stats,
-           *_six(grads), dx, param_part, B, T, C, N=n, NP=next_pow2(n + 2), BT=BT, BC=BC, TILES=tiles,
-           HAS_KEEP=keep is not None, HAS_FIRST=first is not None, num_warps=s.bwd_warps)
-    launch(_norm_bwd, (triton.cdiv(T, s.norm_bt), B), x, stats, dx, B, T, C, BT=s.norm_bt, BC=next_pow2(C),
-           num_warps=s.norm_warps)
+    launch(_shift_mix_bwd, (programs_t, n_c, B), x, weight, bias, mix, keep, first, stats, *_six(grads), dx, row_part,
+           param_part, B, T, C, N=n, NP=next_pow2(n + 2), BT=BT, BC=BC, TILES=tiles, HAS_KEEP=keep is not None,
+           HAS_FIRST=first is not None, num_warps=s.bwd_warps)
+    launch(_norm_bwd, (triton.cdiv(T, s.norm_bt), n_c, B), x, stats, dx, row_part, B, T, C, NC=n_c,
+           NCP=next_pow2(n_c), BT=s.norm_bt, BC=BC, num_warps=s.norm_warps)
     params = param_part.sum(0)    # copies below: the op's outputs may not be views of one tensor
     return (dx, params[n].to(weight.dtype, copy=True), params[n + 1].to(bias.dtype, copy=True),
             params[:n].to(mix.dtype, copy=True))

@@ -15,9 +15,9 @@ from tests.kernels import common
 
 NAMES = ("out", "dx", "dweight", "dbias", "dmix")
 EPS = 1e-5
-# programs of 4 whole rows (the forward and the LayerNorm's backward); backward tiles of 8 tokens, 2 tiles a program,
-# and 64 channels (C = 80: two channel tiles); T = 37 and C = 80 end mid-tile
-SMALL = Settings(fwd_bt=4, bwd_bt=8, bwd_bc=64, bwd_tiles=2, norm_bt=4)
+# forward programs of 4 rows; backward tiles of 8 tokens, 2 tiles a program, and 64 channels (C = 80: two channel
+# tiles, whose row sums the LayerNorm's backward adds); T = 37 and C = 80 end mid-tile
+SMALL = Settings(fwd_bt=4, bwd_bt=8, bwd_bc=64, bwd_tiles=2, norm_bt=8)
 # document starts at t = 0, inside tiles (5, 21), on a backward tile's first token (8) and on a forward tile's and a
 # backward program's first token (16)
 STARTS = (0, 5, 8, 16, 21)
