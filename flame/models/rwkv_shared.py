@@ -1,6 +1,6 @@
-"""What both RWKV generations (flame/models/rwkv6.py, rwkv7.py) share: the token shift (with its lerps fused, and
-alone for RWKV-6's data-dependent lerps), with their cached forms for decoding, RWKV-LM's orthogonal init, the cache,
-and the model around the blocks (RWKVModel)."""
+"""What both RWKV generations (flame/models/rwkv6.py, rwkv7.py) share: the token shift (with the block's LayerNorm
+and its lerps fused, and alone for RWKV-6's data-dependent lerps), with their cached forms for decoding, RWKV-LM's
+orthogonal init, the cache, and the model around the blocks (RWKVModel)."""
 
 from __future__ import annotations
 
