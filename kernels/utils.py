@@ -16,8 +16,8 @@ def is_interpreting() -> bool:
 
 def uses_triton(x: torch.Tensor, backend: str) -> bool:
     """Whether an op with a Triton and a PyTorch path (token_shift, rwkv7_key, rwkv7_out, silu_rms_norm) runs
-    Triton: backend 'triton' forces it, 'torch' the PyTorch path, 'auto' takes Triton for
-    CUDA tensors where Triton is installed."""
+    Triton: backend 'triton' forces it, 'torch' the PyTorch path, 'auto' takes Triton for CUDA tensors where Triton
+    is installed."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
     return backend == "triton" or (backend == "auto" and x.is_cuda and importlib.util.find_spec("triton") is not None)
