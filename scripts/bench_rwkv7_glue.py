@@ -32,8 +32,8 @@ EPS = 64e-5
 
 def key_inputs(B, T, C, N, device):
     bf = dict(device=device, dtype=torch.bfloat16)
-    return [torch.randn(B, T, C, **bf), 2 * torch.randn(B, T, C, **bf), 0.7 + 0.05 * torch.rand(C, device=device),
-            torch.full((C,), 1.02, device=device)]
+    return [torch.randn(B, T, C, **bf), 2 * torch.randn(B, T, C, **bf), -0.2 + 0.3 * torch.rand(C, device=device),
+            0.7 + 0.05 * torch.rand(C, device=device), torch.full((C,), 1.02, device=device)]
 
 
 def out_inputs(B, T, C, N, device):

@@ -150,10 +150,10 @@ class TimeMix(nn.Module):
             v_first = v
         else:
             v = v + ((v_first - v) * torch.sigmoid((self.v0 + (xv @ self.v1) @ self.v2).float())).to(v.dtype)
-        a_pre = self.a0 + (xa @ self.a1) @ self.a2        # the in-context rate a = sigmoid(a_pre), in rwkv7_key
+        a_lora = (xa @ self.a1) @ self.a2        # the in-context rate a = sigmoid(a0 + a_lora), formed in rwkv7_key
         g = torch.sigmoid((xg @ self.g1).float()).to(x.dtype) @ self.g2   # gates in fp32 too, as the decay
         # k updated by the rate, the removal key -kk and the replacement kk * a (kk = normalize(k * k_k) per head)
-        k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_pre, self.k_k, self.k_a, N))
+        k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_lora, self.a0, self.k_k, self.k_a, N))
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
         if cache is None:
             o, _ = chunk_rwkv7(heads(r), heads(z), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens,

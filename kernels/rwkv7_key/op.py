@@ -1,11 +1,12 @@
 """RWKV-7's key prologue as one op (README.md): the public call, its Settings, the launches and the custom ops
 flame::rwkv7_key / flame::rwkv7_key_bwd (fakes, autograd).
 
-    k_new, neg_kk, kk_a = rwkv7_key(k, a_pre, k_k, k_a, head_dim, backend=None, settings=None)
+    k_new, neg_kk, kk_a = rwkv7_key(k, a_lora, a0, k_k, k_a, head_dim, backend=None, settings=None)
 
-k, a_pre [..., C] (a_pre: a's pre-sigmoid input, any float dtype), k_k, k_a [C]; outputs in k's dtype, the chunk
-kernel's k, a and b. CUDA tensors run the Triton kernels, CPU tensors the plain PyTorch forward and backward (naive.py);
-backend='triton' | 'torch' forces one (tests run Triton on CPU under TRITON_INTERPRET=1).
+k, a_lora [..., C] (a_lora: the low-rank term of a's pre-sigmoid input, any float dtype), a0 (its bias), k_k, k_a [C];
+outputs in k's dtype, the chunk kernel's k, a and b. CUDA tensors run the Triton kernels, CPU tensors the plain
+PyTorch forward and backward (naive.py); backend='triton' | 'torch' forces one (tests run Triton on CPU under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -40,38 +41,38 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _fwd_triton(k, a_pre, k_k, k_a, head_dim: int, s: Settings):
+def _fwd_triton(k, a_lora, a0, k_k, k_a, head_dim: int, s: Settings):
     from kernels.rwkv7_key.fwd import _key_fwd
 
-    k2, a2 = _rows(k), _rows(a_pre)
+    k2, a2 = _rows(k), _rows(a_lora)
     M, C = k2.shape
     outs = [torch.empty_like(k2) for _ in range(3)]
-    launch(_key_fwd, (triton.cdiv(M, s.fwd_tokens), C // head_dim), k2, a2, k_k.contiguous(), k_a.contiguous(),
-           *outs, M, C=C, N=head_dim, BT=s.fwd_tokens, BN=next_pow2(head_dim), num_warps=s.warps)
+    launch(_key_fwd, (triton.cdiv(M, s.fwd_tokens), C // head_dim), k2, a2, a0.contiguous(), k_k.contiguous(),
+           k_a.contiguous(), *outs, M, C=C, N=head_dim, BT=s.fwd_tokens, BN=next_pow2(head_dim), num_warps=s.warps)
     return tuple(o.view(k.shape) for o in outs)
 
 
-def _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim: int, s: Settings):
+def _bwd_triton(k, a_lora, a0, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim: int, s: Settings):
     from kernels.rwkv7_key.bwd import _key_bwd
 
-    k2, a2 = _rows(k), _rows(a_pre)
+    k2, a2 = _rows(k), _rows(a_lora)
     M, C = k2.shape
     tiles = triton.cdiv(M, s.bwd_tokens)
-    dk, da_pre = torch.empty_like(k2), torch.empty_like(a2)
+    dk, da_lora = torch.empty_like(k2), torch.empty_like(a2)
     parts = torch.empty(2, tiles, C, device=k.device, dtype=torch.float32)
-    launch(_key_bwd, (tiles, C // head_dim), k2, a2, k_k.contiguous(), k_a.contiguous(), _rows(dk_new),
-           _rows(dneg_kk), _rows(dkk_a), dk, da_pre, parts[0], parts[1], M, C=C, N=head_dim, BT=s.bwd_tokens,
-           BN=next_pow2(head_dim), num_warps=s.warps)
+    launch(_key_bwd, (tiles, C // head_dim), k2, a2, a0.contiguous(), k_k.contiguous(), k_a.contiguous(),
+           _rows(dk_new), _rows(dneg_kk), _rows(dkk_a), dk, da_lora, parts[0], parts[1], M, C=C, N=head_dim,
+           BT=s.bwd_tokens, BN=next_pow2(head_dim), num_warps=s.warps)
     dk_k, dk_a = parts[0].sum(0), parts[1].sum(0)   # two tensors (outputs may not alias each other)
-    return dk.view(k.shape), da_pre.view(a_pre.shape), dk_k.to(k_k.dtype), dk_a.to(k_a.dtype)
+    return dk.view(k.shape), da_lora.view(a_lora.shape), dk_k.to(k_k.dtype), dk_a.to(k_a.dtype)
 
 
 @torch.library.custom_op("flame::rwkv7_key", mutates_args=())
-def _key(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, backend: str,
+def _key(k: Tensor, a_lora: Tensor, a0: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, backend: str,
          settings: str) -> tuple[Tensor, Tensor, Tensor]:
     if uses_triton(k, backend):
-        return _fwd_triton(k, a_pre, k_k, k_a, head_dim, Settings.decode(settings))
-    return _contiguous(naive_rwkv7_key(k, a_pre, k_k, k_a, head_dim))
+        return _fwd_triton(k, a_lora, a0, k_k, k_a, head_dim, Settings.decode(settings))
+    return _contiguous(naive_rwkv7_key(k, a_lora, a0, k_k, k_a, head_dim))
 
 
 def _contiguous(xs):
@@ -80,43 +81,48 @@ def _contiguous(xs):
 
 
 @_key.register_fake
-def _(k, a_pre, k_k, k_a, head_dim, backend, settings):
+def _(k, a_lora, a0, k_k, k_a, head_dim, backend, settings):
     return k.new_empty(k.shape), k.new_empty(k.shape), k.new_empty(k.shape)
 
 
 @torch.library.custom_op("flame::rwkv7_key_bwd", mutates_args=())
-def _key_bwd(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, dk_new: Tensor, dneg_kk: Tensor, dkk_a: Tensor,
-             head_dim: int, backend: str, settings: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _key_bwd(k: Tensor, a_lora: Tensor, a0: Tensor, k_k: Tensor, k_a: Tensor, dk_new: Tensor, dneg_kk: Tensor,
+             dkk_a: Tensor, head_dim: int, backend: str,
+             settings: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if uses_triton(k, backend):
-        return _bwd_triton(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, Settings.decode(settings))
-    return _contiguous(naive_rwkv7_key_bwd(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim))
+        return _bwd_triton(k, a_lora, a0, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, Settings.decode(settings))
+    return _contiguous(naive_rwkv7_key_bwd(k, a_lora, a0, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim))
 
 
 @_key_bwd.register_fake
-def _(k, a_pre, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, backend, settings):
-    return tuple(x.new_empty(x.shape) for x in (k, a_pre, k_k, k_a))
+def _(k, a_lora, a0, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim, backend, settings):
+    return tuple(x.new_empty(x.shape) for x in (k, a_lora, k_k, k_a))
 
 
 def _setup_context(ctx, inputs, output):
-    k, a_pre, k_k, k_a, ctx.head_dim, ctx.backend, ctx.settings = inputs
-    ctx.save_for_backward(k, a_pre, k_k, k_a)
+    k, a_lora, a0, k_k, k_a, ctx.head_dim, ctx.backend, ctx.settings = inputs
+    ctx.a0_dtype = a0.dtype
+    ctx.save_for_backward(k, a_lora, a0, k_k, k_a)
 
 
 def _backward(ctx, dk_new, dneg_kk, dkk_a):
-    k, a_pre, k_k, k_a = ctx.saved_tensors
-    grads = [torch.zeros_like(k) if g is None else g for g in (dk_new, dneg_kk, dkk_a)]
-    dk, da_pre, dk_k, dk_a = torch.ops.flame.rwkv7_key_bwd(k, a_pre, k_k, k_a, *grads, ctx.head_dim, ctx.backend,
-                                                           ctx.settings)
-    return dk, da_pre, dk_k, dk_a, None, None, None
+    saved = ctx.saved_tensors   # unpacked once (activation checkpointing allows no second unpack)
+    grads = [torch.zeros_like(saved[0]) if g is None else g for g in (dk_new, dneg_kk, dkk_a)]
+    dk, da_lora, dk_k, dk_a = torch.ops.flame.rwkv7_key_bwd(*saved, *grads, ctx.head_dim, ctx.backend, ctx.settings)
+    # a0's gradient: da_lora summed over the tokens, outside the kernel (a third per-tile column sum there cost more
+    # than the compiled reduction)
+    da0 = da_lora.reshape(-1, da_lora.shape[-1]).sum(0, dtype=torch.float32).to(ctx.a0_dtype)
+    return dk, da_lora, da0, dk_k, dk_a, None, None, None
 
 
 _key.register_autograd(_backward, setup_context=_setup_context)
 
 
-def rwkv7_key(k: Tensor, a_pre: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int, backend: str | None = None,
-              settings: Settings | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def rwkv7_key(k: Tensor, a_lora: Tensor, a0: Tensor, k_k: Tensor, k_a: Tensor, head_dim: int,
+              backend: str | None = None, settings: Settings | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(k_new, -kk, kk * a) in k's dtype: the chunk kernel's k, a and b (module docstring)."""
-    return torch.ops.flame.rwkv7_key(k, a_pre, k_k, k_a, head_dim, backend or "auto", (settings or Settings()).encode())
+    return torch.ops.flame.rwkv7_key(k, a_lora, a0, k_k, k_a, head_dim, backend or "auto",
+                                     (settings or Settings()).encode())
 
 
 try:

@@ -1,6 +1,6 @@
 """RWKV-7's fused key prologue (kernels.rwkv7_key) and output epilogue (kernels.rwkv7_out) against fp64 references
 written here from the math (not naive.py's code): outputs and every gradient, bf16 and fp32, with extreme inputs
-(a_pre at +-30, tokens whose head has k = 0 so the normalize divides by its eps, o constant over a head so the
+(a's pre-sigmoid input at +-30, tokens whose head has k = 0 so the normalize divides by its eps, o constant over a head so the
 GroupNorm divides by sqrt(eps)).
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 and the PyTorch path the op takes on CPU; opcheck of the four
@@ -23,13 +23,14 @@ from tests.kernels.common import assert_close, opcheck
 
 EPS_OUT = 64e-5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
-KEY_NAMES = ("k_new", "neg_kk", "kk_a", "dk", "da_pre", "dk_k", "dk_a")
+KEY_NAMES = ("k_new", "neg_kk", "kk_a", "dk", "da_lora", "da0", "dk_k", "dk_a")
 OUT_NAMES = ("y", "do", "dr", "dk", "dv", "dr_k", "dln_w", "dln_b", "dg")
 
 
-def ref_key(k, a_pre, k_k, k_a, N):
-    """fp64: a = sigmoid(a_pre); kk = u / max(|u|, 1e-12) with u = k k_k per head; (k (1 + (a - 1) k_a), -kk, kk a)."""
-    a = 1 / (1 + torch.exp(-a_pre))
+def ref_key(k, a_lora, a0, k_k, k_a, N):
+    """fp64: a = sigmoid(a_lora + a0); kk = u / max(|u|, 1e-12) with u = k k_k per head;
+    (k (1 + (a - 1) k_a), -kk, kk a)."""
+    a = 1 / (1 + torch.exp(-(a_lora + a0)))
     u = (k * k_k).unflatten(-1, (-1, N))
     # |u| without sqrt's infinite slope at 0 (there the clamp below takes over and its gradient is 0)
     norm = (u * u).sum(-1, keepdim=True).clamp_min(1e-300).sqrt()
@@ -49,13 +50,14 @@ def ref_out(o, r, k, v, r_k, ln_w, ln_b, g, eps):
 def key_inputs(B, T, H, N, dtype, gen):
     C = H * N
     k = torch.randn(B, T, C, generator=gen)
-    a_pre = 2 * torch.randn(B, T, C, generator=gen)
-    a_pre[:, ::5, :7] = 30.0
-    a_pre[:, 2::5, 3:11] = -30.0
+    a_lora = 2 * torch.randn(B, T, C, generator=gen)
+    a_lora[:, ::5, :7] = 30.0
+    a_lora[:, 2::5, 3:11] = -30.0
+    a0 = -0.2 + 0.6 * torch.rand(C, generator=gen)
     k[:, 4:7, N:2 * N] = 0.0                  # head 1 of tokens 4..6: |k k_k| = 0 < eps
     k_k = 0.71 - 0.1 * torch.rand(C, generator=gen)
     k_a = 1.02 + 0.1 * torch.randn(C, generator=gen)
-    return [k.to(dtype), a_pre.to(dtype), k_k, k_a]
+    return [k.to(dtype), a_lora.to(dtype), a0, k_k, k_a]
 
 
 def out_inputs(B, T, H, N, dtype, gen):
@@ -119,7 +121,7 @@ def test_key_matches_fp64_reference(backend, B, N, dtype):
     ref = reference(ref_key, xs, 1, N)
     for x, name in zip(got[:3], KEY_NAMES):
         assert x.dtype == dtype, name
-    assert got[5].dtype == got[6].dtype == torch.float32
+    assert got[5].dtype == got[6].dtype == got[7].dtype == torch.float32
     assert_close(got, ref, TOL[dtype], f"rwkv7_key {backend} {dtype}", KEY_NAMES)
     # dk of the k = 0 head is dkk / eps (~1e12): the other tokens' dk on their own
     normal = torch.ones(B, T, H * N, dtype=torch.bool)
@@ -185,12 +187,12 @@ def test_opcheck(backend):
 def test_both_ops_compile_without_graph_break():
     B, T, H, N = 1, 6, 2, 16
     gen = torch.Generator().manual_seed(8)
-    k, a_pre, k_k, k_a = key_inputs(B, T, H, N, torch.float32, gen)
+    k, a_lora, a0, k_k, k_a = key_inputs(B, T, H, N, torch.float32, gen)
     o, r, _, v, r_k, ln_w, ln_b, g = out_inputs(B, T, H, N, torch.float32, gen)
-    xs = [x.requires_grad_(True) for x in (k, a_pre, k_k, k_a, o, r, v, r_k, ln_w, ln_b, g)]
+    xs = [x.requires_grad_(True) for x in (k, a_lora, a0, k_k, k_a, o, r, v, r_k, ln_w, ln_b, g)]
 
-    def block(k, a_pre, k_k, k_a, o, r, v, r_k, ln_w, ln_b, g):
-        k_new, neg_kk, kk_a = rwkv7_key(k, a_pre, k_k, k_a, N)
+    def block(k, a_lora, a0, k_k, k_a, o, r, v, r_k, ln_w, ln_b, g):
+        k_new, neg_kk, kk_a = rwkv7_key(k, a_lora, a0, k_k, k_a, N)
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
         y = rwkv7_out(o + neg_kk.view(o.shape) * kk_a.view(o.shape), r, heads(k_new), v, r_k, ln_w, ln_b, g)
         return y.square().sum()
