@@ -29,7 +29,7 @@ class Settings(TextSettings):
 
     fwd_tokens: int = 32
     """Tokens per program of the forward."""
-    bwd_tokens: int = 16
+    bwd_tokens: int = 32
     """Tokens per program of the backward (twice the live tiles of the forward); also the rows of dk_k/dk_a's
     partial sums are tokens / bwd_tokens."""
     warps: int = 4

@@ -29,7 +29,7 @@ class Settings(TextSettings):
 
     fwd_tokens: int = 32
     """Tokens per program of the forward."""
-    bwd_tokens: int = 16
+    bwd_tokens: int = 32
     """Tokens per program of the backward (about twice the live tiles of the forward); the partial sums of dr_k,
     dln_w, dln_b have tokens / bwd_tokens rows."""
     warps: int = 4
