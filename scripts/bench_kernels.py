@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_time import kernel_times  # noqa: E402
 from kernels.ops import OPS  # noqa: E402
 
 TABLE_HEAD = ("| shape | kernel | fwd ms | fwd+bwd ms | GPU ms (fwd+bwd) | fwd+bwd Mtok/s | fwd+bwd peak MiB "
@@ -56,34 +57,32 @@ def bench(fn, inputs, backward):
     return do_bench(step, warmup=50, rep=300, return_mode="median"), peak
 
 
-def kernel_times(fn, xs) -> list[tuple[str, float]]:
-    """(kernel name, ms) of every kernel that ran on the GPU during one fwd+bwd of fn on xs, under the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+def fwd_bwd_kernel_times(fn, xs) -> list[tuple[str, float, int]]:
+    """gpu_time.kernel_times of one fwd+bwd of fn on xs (their grads cleared after)."""
+    def fwd_bwd():
         o = fn(*xs)
         o.backward(torch.ones_like(o))
-        torch.cuda.synchronize()
+    rows = kernel_times(fwd_bwd)
     for x in xs:
         x.grad = None
-    return [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    return rows
 
 
 def gpu_ms(fn, inputs, runs=3):
     """The GPU's time in kernels during one fwd+bwd, median of `runs`."""
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    kernel_times(fn, xs)   # warm-up
-    return sorted(sum(ms for _, ms in kernel_times(fn, xs)) for _ in range(runs))[runs // 2]
+    fwd_bwd_kernel_times(fn, xs)   # warm-up
+    return sorted(sum(ms for _, ms, _ in fwd_bwd_kernel_times(fn, xs)) for _ in range(runs))[runs // 2]
 
 
 def profile(fn, inputs, label):
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    kernel_times(fn, xs)   # warm-up
-    rows = kernel_times(fn, xs)
+    fwd_bwd_kernel_times(fn, xs)   # warm-up
+    rows = fwd_bwd_kernel_times(fn, xs)
     print(f"\n-- {label}: GPU time per kernel (one fwd+bwd)")
-    for name, ms in sorted(rows, key=lambda x: -x[1])[:12]:
+    for name, ms, _ in sorted(rows, key=lambda x: -x[1])[:12]:
         print(f"   {ms:8.3f} ms  {name[:90]}")
-    print(f"   {sum(ms for _, ms in rows):8.3f} ms  on the GPU in all ({len(rows)} kernels)")
+    print(f"   {sum(ms for _, ms, _ in rows):8.3f} ms  on the GPU in all ({len(rows)} kernels)")
 
 
 def sdpa(q, k, v, *_):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_time import gpu_ms  # noqa: E402
 from kernels.token_shift import Settings, norm_shift_mix  # noqa: E402
 
 # (B, T, C, n, packed): RWKV-7 0.6B's time mix (6 lerps) and channel mix (1) at 8 x 4096 tokens (a training step's),
@@ -55,16 +56,6 @@ def inputs(B, T, C, n, packed):
         keep[::300] = 0
     grads = [torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
     return x, weight, bias, mix, keep, grads
-
-
-def gpu_ms(fn, *args) -> float:
-    """The GPU's time in kernels (the sum of their durations under the profiler) while fn(*args) runs."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0) / 1e3
 
 
 def bench(fn, x, weight, bias, mix, keep, grads, runs=5):

@@ -16,6 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_time import kernel_times  # noqa: E402
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -26,8 +28,6 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile each block, as training.compile does")
     p.add_argument("--activation-checkpoint", default="none", choices=["none", "selective", "full"])
     a = p.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
     from flame.config import load_config
     from flame.models import build_model
     from flame.parallel import prepare_blocks
@@ -46,12 +46,7 @@ def main():
 
     step()   # compiles the kernels (and the blocks)
     step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
-                   if e.device_time_total > 0), key=lambda r: -r[1])
+    rows = sorted(kernel_times(step), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
     print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({a.activation_checkpoint} checkpointing) on {torch.cuda.get_device_name()}: "
           f"{total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches")
