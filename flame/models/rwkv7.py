@@ -140,16 +140,17 @@ class TimeMix(nn.Module):
         H, N = self.n_heads, self.args.head_dim
         prev = None if cache is None else cache.attn_x
         xr, xw, xk, xv, xa, xg = norm_shift_mix_cached(x, norm, self.lerp, keep, cu_seqlens, prev)
-        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        r, k = self.r_proj(xr), self.k_proj(xk)
+        if self.supplies_v_first:
+            v = v_first = self.v_proj(xv)
+        else:  # the value and its residual gate's low-rank input in one product: xv's gradient then needs no add
+            v, v_low = (xv @ torch.cat((self.v_proj.weight, self.v1.t())).t()).split((C, self.v1.shape[1]), -1)
+            v = v + ((v_first - v) * torch.sigmoid((self.v0 + v_low @ self.v2).float())).to(v.dtype)
         # The decay's logits less w0: the log decay is -e^{-1/2} sigmoid(z + w0) (kernels.rwkv7.decay), which the
         # chunk kernel forms in fp32 from z and w0 (w_bias). The nonlinearities in fp32, explicitly: bf16 sigmoid/tanh
         # near 0 and 1 lose the slow channels over long contexts. The low-rank products run in x's dtype (fp32
         # accumulation), as RWKV-LM's.
         z = torch.tanh((xw @ self.w1).float()).to(x.dtype) @ self.w2
-        if self.supplies_v_first:
-            v_first = v
-        else:
-            v = v + ((v_first - v) * torch.sigmoid((self.v0 + (xv @ self.v1) @ self.v2).float())).to(v.dtype)
         a_lora = (xa @ self.a1) @ self.a2        # the in-context rate a = sigmoid(a0 + a_lora), formed in rwkv7_key
         g = torch.sigmoid((xg @ self.g1).float()).to(x.dtype) @ self.g2   # gates in fp32 too, as the decay
         # k updated by the rate, the removal key -kk and the replacement kk * a (kk = normalize(k * k_k) per head)
