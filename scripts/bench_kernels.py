@@ -68,7 +68,7 @@ def fwd_bwd_kernel_times(fn, xs) -> list[tuple[str, float, int]]:
     return rows
 
 
-def gpu_ms(fn, inputs, runs=3):
+def median_gpu_ms(fn, inputs, runs=3):
     """The GPU's time in kernels during one fwd+bwd, median of `runs`."""
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
     fwd_bwd_kernel_times(fn, xs)   # warm-up
@@ -125,7 +125,7 @@ def bench_op(op, settings, args) -> list[str]:
         for name, fn in cands:
             f_ms, _ = bench(fn, inputs, False)
             fb_ms, fb_mem = bench(fn, inputs, True)
-            res[name] = (f_ms, fb_ms, fb_mem, gpu_ms(fn, inputs))
+            res[name] = (f_ms, fb_ms, fb_mem, median_gpu_ms(fn, inputs))
             print(f"   done {name} {label}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, GPU {res[name][3]:.3f} ms",
                   flush=True)
             if args.profile and name != "SDPA flash (causal)":
