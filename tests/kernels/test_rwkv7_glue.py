@@ -1,7 +1,7 @@
 """RWKV-7's fused key prologue (kernels.rwkv7_key) and output epilogue (kernels.rwkv7_out) against fp64 references
 written here from the math (not naive.py's code): outputs and every gradient, bf16 and fp32, with extreme inputs
-(a's pre-sigmoid input at +-30, tokens whose head has k = 0 so the normalize divides by its eps, o constant over a head so the
-GroupNorm divides by sqrt(eps)).
+(a's pre-sigmoid input at +-30, tokens whose head has k = 0 so the normalize divides by its eps, o constant over a
+head so the GroupNorm divides by sqrt(eps)).
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 and the PyTorch path the op takes on CPU; opcheck of the four
 custom ops; one torch.compile(fullgraph=True) of both ops. GPU (`-m gpu`): Triton in bf16 at the model's shape.
