@@ -143,8 +143,8 @@ class TimeMix(nn.Module):
         r, k = self.r_proj(xr), self.k_proj(xk)
         if self.supplies_v_first:
             v = v_first = self.v_proj(xv)
-        else:  # the value and its residual gate's low-rank input in one product: xv's gradient then needs no add
-            v, v_low = (xv @ torch.cat((self.v_proj.weight, self.v1.t())).t()).split((C, self.v1.shape[1]), -1)
+        else:
+            v, v_low = self.value_and_gate_input(xv)
             v = v + ((v_first - v) * torch.sigmoid((self.v0 + v_low @ self.v2).float())).to(v.dtype)
         # The decay's logits less w0: the log decay is -e^{-1/2} sigmoid(z + w0) (kernels.rwkv7.decay), which the
         # chunk kernel forms in fp32 from z and w0 (w_bias). The nonlinearities in fp32, explicitly: bf16 sigmoid/tanh
@@ -164,6 +164,15 @@ class TimeMix(nn.Module):
         # per-head GroupNorm (ln_x) + the r k bonus, gated
         o = rwkv7_out(o, heads(r), k, heads(v), self.r_k, self.ln_x.weight, self.ln_x.bias, g, self.ln_x.eps)
         return self.o_proj(o), v_first
+
+    def value_and_gate_input(self, xv):
+        """v_proj(xv) and the value residual gate's low-rank input xv @ v1 (layers > 0). With autograd on, one product
+        of the two weights joined: xv's gradient then comes from one matmul instead of two summed. Without it (eval,
+        decoding) the join would only copy the weights at every call, so the two products run apart."""
+        if not torch.is_grad_enabled():
+            return self.v_proj(xv), xv @ self.v1
+        joined = xv @ torch.cat((self.v_proj.weight, self.v1.t())).t()
+        return joined.split((self.args.hidden_size, self.v1.shape[1]), -1)
 
     @staticmethod
     def cached_op(r, z, w0, k, v, a, b, cu_seqlens, state):

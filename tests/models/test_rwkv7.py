@@ -40,6 +40,25 @@ def test_decay_and_gradients_are_finite_and_flow():
     assert model.layers[1].ffn.value.weight.grad.abs().sum() > 0
 
 
+def test_joined_value_product_equals_the_two_products():
+    # training joins v_proj and v1 into one product (TimeMix.value_and_gate_input); eval and decoding run them apart
+    attn = tiny().layers[1].attn
+    attn.v1.data.normal_(std=0.1)                      # zero at init: make the low-rank input non-trivial
+    xv = torch.randn(2, 7, 128, requires_grad=True)
+    v, v_low = attn.value_and_gate_input(xv)
+    (v.square().sum() + (v_low ** 3).sum()).backward()
+    with torch.no_grad():
+        v_apart, v_low_apart = attn.value_and_gate_input(xv)
+    torch.testing.assert_close(v, attn.v_proj(xv))
+    torch.testing.assert_close(v_low, xv @ attn.v1)
+    torch.testing.assert_close(v_apart, v.detach())
+    torch.testing.assert_close(v_low_apart, v_low.detach())
+    # xv's gradient: both products' gradients
+    xv2 = xv.detach().requires_grad_(True)
+    (attn.v_proj(xv2).square().sum() + ((xv2 @ attn.v1) ** 3).sum()).backward()
+    torch.testing.assert_close(xv.grad, xv2.grad)
+
+
 def test_packed_documents_equal_separate_runs():
     model = tiny()
     model.layers[0].attn.o_proj.weight.data.normal_(std=0.02)   # make the time-mix branch matter
