@@ -41,12 +41,16 @@ class Settings(TextSettings):
     """Tokens per backward tile. One token per tile and one warp per program: the tile's sums over tokens then stay
     in each thread (taller tiles with a warp per row reduce across warps through shared memory, with barriers at
     every one of the n grads), and the compiler issues all 2n grad loads of a tile at once."""
-    bwd_bc: int = 256
-    """Channels per backward program (8 bf16 per thread of one warp: 16-byte loads)."""
-    bwd_tiles: int = 64
-    """Backward tiles per program, walked in order: each program writes one partial [n + 2, BC] (dmix, dweight,
-    dbias), so more tokens per program make the partial sums (and their reduction) a smaller part of the traffic
-    (RWKV-7 0.6B at 8 x 4096 tokens: 2560 one-warp programs)."""
+    bwd_bc: int | None = None
+    """Channels per backward program; None: 128 for n > 2 mixes (4 bf16 per thread of one warp: 8-byte loads), else
+    256 (8 bf16: 16-byte loads). The kernel is bound by the loads in flight, which live in registers, and those grow
+    with n: at n = 6, 256 channels take 224 registers a thread (9 programs an SM) and 128 channels 128 (16 an SM);
+    at n = 1 or 2 the wider loads win."""
+    bwd_tiles: int | None = None
+    """Backward tiles per program, walked in order; None: 32 for n > 2, else 64. Each program writes one partial
+    [n + 2, BC] (dmix, dweight, dbias), so more tokens per program make the partial sums (and their reduction) a
+    smaller part of the traffic, fewer make more programs to spread over the SMs (RWKV-7 0.6B at 8 x 4096 tokens:
+    10240 one-warp programs for its time mix, 2560 for its channel mix)."""
     bwd_warps: int = 1
     """Warps of the backward."""
     norm_bt: int = 8
@@ -78,8 +82,9 @@ def _bwd(grads, x, weight, bias, mix, stats, keep, first, s: Settings):
 
     B, T, C = x.shape
     n = mix.shape[0]
-    BT, BC = s.bwd_bt, min(s.bwd_bc, next_pow2(C))
-    tiles = max(1, min(s.bwd_tiles, triton.cdiv(T, BT)))
+    wide = n > 2   # Settings.bwd_bc: narrower tiles when the n grads take many registers
+    BT, BC = s.bwd_bt, min(s.bwd_bc or (128 if wide else 256), next_pow2(C))
+    tiles = max(1, min(s.bwd_tiles or (32 if wide else 64), triton.cdiv(T, BT)))
     programs_t, n_c = triton.cdiv(T, BT * tiles), triton.cdiv(C, BC)
     dx = torch.empty_like(x)     # dxn * weight, then dx in place
     row_part = torch.empty(B, T, n_c, 2, device=x.device, dtype=torch.float32)   # each channel tile's two row sums

@@ -92,11 +92,12 @@ def test_matches_fp64_reference(backend, n, dtype, B, keep_starts, with_first):
         common.assert_close([a], [b], tol, f"{backend} {dtype} n={n} B={B}", [name])
 
 
-def test_default_tiles_and_program_walks_several_tiles():
-    # the default settings (one channel tile wider than C = 80), and backward programs over 3 tiles of 4 tokens with
-    # forward programs of one row
+@pytest.mark.parametrize("n", [1, 6])
+def test_default_tiles_and_program_walks_several_tiles(n):
+    # the default settings (one channel tile wider than C = 80; its width and the tiles a program walks depend on n),
+    # and backward programs over 3 tiles of 4 tokens with forward programs of one row
     common.interpreted(lambda *a, **kw: None)
-    xs = make_inputs(1, 29, 80, 6, torch.float32, keep_starts=(0, 12, 17), with_first=True)
+    xs = make_inputs(1, 29, 80, n, torch.float32, keep_starts=(0, 12, 17), with_first=True)
     ref = reference(*xs)
     for s in (Settings(), Settings(fwd_bt=1, bwd_bt=4, bwd_tiles=3, bwd_warps=4, norm_bt=1)):
         common.assert_close(ours(*xs, backend="triton", settings=s), ref, 1e-6, str(s), NAMES)
