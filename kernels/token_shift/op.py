@@ -33,10 +33,10 @@ class Settings(TextSettings):
     """Tiles and warps of the kernels (memory-bound passes: whole rows forward for the LayerNorm's statistics, tiles of
     whole 128-byte lines backward, enough tokens per program to amortize the one extra token each tile reads)."""
 
-    fwd_bt: int = 2
+    fwd_bt: int = 1
     """Tokens per forward program; each program takes whole rows (C padded to its next power of two)."""
-    fwd_warps: int = 4
-    """Warps of the forward."""
+    fwd_warps: int = 2
+    """Warps of the forward: a row's two sums stay within fewer warps, and more programs fit an SM."""
     bwd_bt: int = 1
     """Tokens per backward tile. One token per tile and one warp per program: the tile's sums over tokens then stay
     in each thread (taller tiles with a warp per row reduce across warps through shared memory, with barriers at
