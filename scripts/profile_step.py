@@ -1,5 +1,6 @@
 """Where a training step's GPU time goes: one forward + backward of a config's model on random tokens, bf16
-parameters, under the PyTorch profiler; prints the kernels taking the most time and their total. No data, no
+parameters, under the PyTorch profiler; prints the total, the time by kind (flame.profiling's groups: matmuls, our
+Triton kernels, Inductor's, ...) and the kernels taking the most time. No data, no
 optimizer, no FSDP: the model's own compute only (the micro-batch may be smaller than the config's, to fit).
 
     python scripts/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -48,10 +50,22 @@ def main():
     step()
     rows = sorted(kernel_times(step), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
-    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({a.activation_checkpoint} checkpointing) on {torch.cuda.get_device_name()}: "
-          f"{total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches")
+    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({a.activation_checkpoint} checkpointing) on "
+          f"{torch.cuda.get_device_name()}: {total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches")
+    print("by kind (flame.profiling's groups): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in by_kind(rows)))
     for name, ms, count in rows[:a.top]:
         print(f"  {ms:8.2f} ms {100 * ms / total:5.1f} % {count:5d}x  {name[:100]}")
+
+
+def by_kind(rows) -> list[tuple[str, float]]:
+    """(kind, ms) of the kernel rows (name, ms, launches), in flame.profiling.KINDS' order: matmuls, attention, our
+    Triton kernels, Inductor's, copies and memsets, the rest."""
+    from flame.profiling import KINDS, device_kind
+
+    ms = defaultdict(float)
+    for name, t, _ in rows:
+        ms[device_kind(name, "gpu_memcpy" if name.startswith(("Memcpy", "Memset")) else "kernel")] += t
+    return [(kind, ms[kind]) for kind in KINDS if kind in ms]
 
 
 if __name__ == "__main__":
