@@ -1,7 +1,7 @@
-"""Where a training step's GPU time goes: one forward + backward of a config's model on random tokens, bf16
-parameters, under the PyTorch profiler; prints the total, the time by kind (flame.profiling's groups: matmuls, our
-Triton kernels, Inductor's, ...) and the kernels taking the most time. No data, no
-optimizer, no FSDP: the model's own compute only (the micro-batch may be smaller than the config's, to fit).
+"""Where a training step's GPU time goes: one forward + backward of a config's model on random tokens, bf16 parameters,
+under the PyTorch profiler; prints the total, the time by kind (flame.profiling's groups: matmuls, our Triton kernels,
+Inductor's, ...) and the kernels taking the most time. No data, no optimizer, no FSDP: the model's own compute only (the
+micro-batch may be smaller than the config's, to fit).
 
     python scripts/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
         [--activation-checkpoint none|selective|full]
