@@ -5,7 +5,7 @@
 Under `record()` a launch is not run but described (`Launch`: the kernel, each runtime argument's type, the
 compile-time values, warps and register cap). An op's forward and backward run on meta tensors under `record()`
 then list exactly the kernels a GPU would compile for those shapes and settings, without a GPU: `kernels.sm90`
-compiles them offline for an H100 (the compile test, scripts/kernel_resources.py).
+compiles them offline for an H100 (the compile test, benchmarks/kernel_resources.py).
 """
 
 from __future__ import annotations

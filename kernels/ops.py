@@ -1,7 +1,7 @@
 """The chunked ops, each as one adapter: its benchmark shapes (one per shape regime its launch code chooses), inputs
 made as its model layer makes them, our call with given settings, and FLA's call for comparison.
 
-scripts/bench_kernels.py times every op through these; kernels.sm90 records and compiles their launches at the same
+benchmarks/bench_kernels.py times every op through these; kernels.sm90 records and compiles their launches at the same
 shapes; kernels.settings parses "op.field=value" against each op's Settings.
 """
 

@@ -1,7 +1,7 @@
 """Kernel settings by name, for benchmarks and offline compiles: "op.field=value" against the op's frozen Settings
 (kernels/<op>/chunk.py), e.g.
 
-    python scripts/bench_kernels.py --set rwkv7.scan_bv=32 --set gsa.scan_warps=8
+    python benchmarks/bench_kernels.py --set rwkv7.scan_bv=32 --set gsa.scan_warps=8
 
 A custom op (flame::chunk_<op>) takes no dataclass: its Settings travel as text, `to_text(settings)` ("field=value"
 of the changed fields, comma-separated; "" for the defaults), and come back as `from_text(op, text)`.

@@ -1,6 +1,6 @@
 """Compile our kernels for an H100 (sm_90) on a machine without a GPU: the interpreter runs the kernels but never
 lowers them, so this is what catches layouts, shapes and shared memory that only the GPU compiler rejects, and what
-reports registers and spills before a device call (scripts/kernel_resources.py).
+reports registers and spills before a device call (benchmarks/kernel_resources.py).
 
 The builds come from the launch code itself (kernels.launch.record): an op's forward and backward run on meta
 tensors at the benchmark shapes (kernels.ops), and each distinct launch is compiled as the GPU would compile it.

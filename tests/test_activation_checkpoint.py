@@ -123,7 +123,7 @@ def test_selective_training_run_logs_the_losses_of_a_plain_run(tmp_path):
         wall = time.perf_counter() - started
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[mode] = [r["loss"] for r in read_metrics(dump)]
-        # the start-up figure scripts/bench_train.py reports: logged once, at the first step, within the run's time
+        # the start-up figure benchmarks/bench_train.py reports: logged once, at the first step, within the run's time
         (first,) = read_metrics(dump, "time_to_first_step_sec")
         assert first["step"] == 1 and 0 < first["time_to_first_step_sec"] < wall
     assert len(losses["none"]) == 3

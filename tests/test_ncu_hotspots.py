@@ -1,4 +1,4 @@
-"""scripts/ncu_hotspots.py reads Nsight Compute's per-instruction source CSV (one section per profiled launch)."""
+"""benchmarks/ncu_hotspots.py reads Nsight Compute's per-instruction source CSV (one section per profiled launch)."""
 
 import subprocess
 import sys
@@ -15,7 +15,7 @@ def test_hotspots_rank_instructions_and_reasons(tmp_path):
     section = [["Kernel Name", "_fwd_scan", ""], header, *body]
     csv = tmp_path / "src.csv"
     csv.write_text("\n".join(",".join(f'"{x}"' for x in row) for row in section * 2) + "\n")   # two launches
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "ncu_hotspots.py"), str(csv), "--top", "1"],
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ncu_hotspots.py"), str(csv), "--top", "1"],
                          capture_output=True, text=True, check=True).stdout
     assert out.count("== _fwd_scan: 100 samples, 2 instructions; L2 sectors local 4") == 2
     assert "reasons: long_sb 70.0%, wait 30.0%" in out

@@ -35,7 +35,7 @@ except ImportError:  # the torch path needs no Triton
 @dataclass(frozen=True)
 class Settings:
     """Tiles, warps, register caps and the shape-chosen forward regime of the Triton kernel. Fixed values instead
-    of autotuning: a first call compiles each kernel once (scripts/bench_kernels.py --set gsa.field=value times
+    of autotuning: a first call compiles each kernel once (benchmarks/bench_kernels.py --set gsa.field=value times
     others)."""
 
     chunk: int | None = None

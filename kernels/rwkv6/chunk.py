@@ -31,12 +31,12 @@ from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_
 @dataclass(frozen=True)
 class Settings:
     """Tiles, warps and the shape-chosen scan regime of the Triton kernel. Fixed values instead of autotuning: a
-    first call compiles each kernel once (scripts/bench_kernels.py --set rwkv6.field=value times others)."""
+    first call compiles each kernel once (benchmarks/bench_kernels.py --set rwkv6.field=value times others)."""
 
     chunk: int = 32
     """Tokens per chunk (16 or 32): longer chunks mean fewer sequential scan steps and fewer stored states, at the
     price of a larger pairwise matrix per chunk; at 64 _bwd_chunk's tiles outgrow its registers (2.5 KB spilled per
-    thread on sm_90, scripts/kernel_resources.py)."""
+    thread on sm_90, benchmarks/kernel_resources.py)."""
     wide_k_chunk: int = 16
     """Tokens per chunk where K > 64 (16 or 32): at K = 128 and chunks of 32, _bwd_chunk spills 1 KB per thread."""
     prec: str = "tf32"

@@ -37,7 +37,7 @@ shared memory (compute-sanitizer: an invalid __shared__ read, then an illegal ad
 @dataclass(frozen=True)
 class Settings:
     """Tiles, warps and the shape-chosen scan regime of the Triton kernel. Fixed values instead of autotuning: a
-    first call compiles each kernel once (scripts/bench_kernels.py --set rwkv7.field=value times others)."""
+    first call compiles each kernel once (benchmarks/bench_kernels.py --set rwkv7.field=value times others)."""
 
     chunk: int = 16
     """Tokens per chunk: a chunk's pairwise matrices, T and its level decays then fit in registers."""

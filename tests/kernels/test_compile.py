@@ -70,7 +70,7 @@ def test_recorded_launches_cover_both_regimes_of_each_op():
 
 def test_kernel_resources_script_reports_every_build():
     skip_without_cuda_backend()
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_resources.py")], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_resources.py")], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     builds = in_fresh_process("import json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches\n"

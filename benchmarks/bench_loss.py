@@ -1,8 +1,8 @@
 """Output loss benchmark (kernels/cross_entropy): our fused linear + cross entropy beside the checkpointed chunk path
 it replaced, Liger-Kernel's fused linear cross entropy and Apple's Cut Cross-Entropy, on the same inputs and GPU.
 
-    python scripts/bench_loss.py                                # N = 8*4096 tokens, D = 1280 and 1024, V = 50304
-    python scripts/bench_loss.py --tokens 16384 --dims 2048 --vocab 65536 --chunk 8192
+    python benchmarks/bench_loss.py                                # N = 8*4096 tokens, D = 1280 and 1024, V = 50304
+    python benchmarks/bench_loss.py --tokens 16384 --dims 2048 --vocab 65536 --chunk 8192
 
 All take bf16 hidden [N, D] and weight [V, D] and return the sum of the token losses (reduction "sum"). Per row:
 fwd+bwd ms (CUDA events, median of --reps after --warmup), the peak memory a fwd+bwd allocates above its inputs

@@ -1,8 +1,8 @@
 """Cached generation speed: prefill time, decode tokens/s and time per new token, by batch size and prompt length.
 
-    python scripts/bench_decode.py configs/transformer_0.6B.toml configs/rwkv7_0.6B.toml configs/gsa_0.6B.toml \\
+    python benchmarks/bench_decode.py configs/transformer_0.6B.toml configs/rwkv7_0.6B.toml configs/gsa_0.6B.toml \\
         --batch 1 32 --prompt-len 40 4000 --new-tokens 128 [--cuda-graph]
-    python scripts/bench_decode.py configs/transformer_tiny.toml --device cpu --batch 1 2 --prompt-len 8 32 \
+    python benchmarks/bench_decode.py configs/transformer_tiny.toml --device cpu --batch 1 2 --prompt-len 8 32 \
         --new-tokens 4
 
 Each CONFIG_OR_MODEL is a config (.toml: random weights, init_weights) or any model flame.eval reads. Random

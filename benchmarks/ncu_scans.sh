@@ -2,10 +2,10 @@
 # Where a sequential scan's step waits (one device call; Firecracker machines have ncu): warp stall reasons and
 # memory throughput of each chunk kernel of one RWKV-7 and one GSA fwd+bwd at B=2 T=16384, where the scans set
 # the time. Carry .whl (or nothing: the kernels need only torch and triton).
-#   SHAPE="2 16384" bash scripts/ncu_scans.sh
-# SOURCE=1 also samples stalls per SASS instruction and prints each kernel's hot spots (scripts/ncu_hotspots.py;
+#   SHAPE="2 16384" bash benchmarks/ncu_scans.sh
+# SOURCE=1 also samples stalls per SASS instruction and prints each kernel's hot spots (benchmarks/ncu_hotspots.py;
 # the per-kernel CSVs go to $OUT). KERNELS narrows the kernels profiled, e.g.
-#   SOURCE=1 SHAPE="8 4096" KERNELS='_fwd_scan|_bwd_chunk' bash scripts/ncu_scans.sh
+#   SOURCE=1 SHAPE="8 4096" KERNELS='_fwd_scan|_bwd_chunk' bash benchmarks/ncu_scans.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
@@ -36,6 +36,6 @@ cp /tmp/ncu.txt "${OUT:-/tmp}/ncu.txt" 2>/dev/null
 if [ "${SOURCE:-0}" = 1 ]; then
   for k in $(grep -oE "^  _[A-Za-z_0-9]+" /tmp/ncu.txt | sort -u); do
     ncu --import /tmp/ncu_rep.ncu-rep -k "$k" --page source --print-source sass --csv > "${OUT:-/tmp}/src$k.csv" 2>&1
-    python3 scripts/ncu_hotspots.py "${OUT:-/tmp}/src$k.csv" --top 8
+    python3 benchmarks/ncu_hotspots.py "${OUT:-/tmp}/src$k.csv" --top 8
   done
 fi

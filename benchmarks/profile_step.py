@@ -3,7 +3,7 @@ under the PyTorch profiler; prints the total, the time by kind (flame.profiling'
 Inductor's, ...) and the kernels taking the most time. No data, no optimizer, no FSDP: the model's own compute only (the
 micro-batch may be smaller than the config's, to fit).
 
-    python scripts/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
+    python benchmarks/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
         [--activation-checkpoint none|selective|full]
 """
 

@@ -2,10 +2,10 @@
 that reads or writes out of bounds (as Triton 3.6 once compiled an 8-warp kernel with bf16 products) shows as
 memcheck errors.
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 1,512,4,64,64,64   # B,T,H,K,V,M
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py gsa 16,256,8,64,64,64 --projection
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py rwkv7 1,512,4,64,64    # B,T,H,K,V
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernel.py rwkv7 8,256,20,64,64 --logits
+    compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kernel.py gsa 1,512,4,64,64,64   # B,T,H,K,V,M
+    compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kernel.py gsa 16,256,8,64,64,64 --projection
+    compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kernel.py rwkv7 1,512,4,64,64    # B,T,H,K,V
+    compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kernel.py rwkv7 8,256,20,64,64 --logits
 """
 
 from __future__ import annotations

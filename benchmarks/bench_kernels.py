@@ -1,11 +1,11 @@
 """Kernel benchmark of every chunked op (kernels/ops.py): ours beside FLA's (when installed) and causal SDPA flash
 attention, same run, same GPU.
 
-    python scripts/bench_kernels.py                       # both ops: median ms, tokens/s, peak memory, ratio to FLA
-    python scripts/bench_kernels.py --op gsa --kernels ours
-    python scripts/bench_kernels.py --set rwkv7.scan_bv=32   # a setting other than its default (kernels/settings.py)
-    python scripts/bench_kernels.py --profile             # also the GPU time of each kernel in one fwd+bwd
-    python scripts/bench_kernels.py --op rwkv7 --shape 8,4096,20,64,64   # one shape: here the 0.6B model's layer
+    python benchmarks/bench_kernels.py                       # both ops: median ms, tokens/s, peak memory, ratio to FLA
+    python benchmarks/bench_kernels.py --op gsa --kernels ours
+    python benchmarks/bench_kernels.py --set rwkv7.scan_bv=32   # a setting other than its default (kernels/settings.py)
+    python benchmarks/bench_kernels.py --profile             # also the GPU time of each kernel in one fwd+bwd
+    python benchmarks/bench_kernels.py --op rwkv7 --shape 8,4096,20,64,64   # one shape: here the 0.6B model's layer
 
 Two times per row: the timed fwd+bwd (triton.testing.do_bench, median), and the time the GPU spends in kernels
 (the sum of the kernels' durations under the profiler): the timed figure includes the gaps in which the GPU waits

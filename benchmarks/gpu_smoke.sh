@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the trainer: run from the repo root on the lent machine with .whl carried.
-#   STAGES="tests,tiny,bench,ckpt" CONFIG=configs/transformer_0.6B.toml VARIANTS=nocompile,compile bash scripts/gpu_smoke.sh
+#   STAGES="tests,tiny,bench,ckpt" CONFIG=configs/transformer_0.6B.toml VARIANTS=nocompile,compile bash benchmarks/gpu_smoke.sh
 # tests: the GPU model tests; tiny: the tiny config over every GPU (FSDP, and HSDP with compile on 2+ GPUs);
 # bench: bench_train.py on each config of CONFIG (space-separated) at each GPU count of BENCH_NPROC (e.g. 1,4; the
 # variant hsdp runs 2 replicas), tables with scaling against the first count; ckpt: a short run of the first config on
@@ -46,7 +46,7 @@ fi
 if [[ $stages == *bench* ]]; then
   for c in $config; do
     echo "== $c throughput on ${BENCH_NPROC:-1} GPU(s)"
-    timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_train.py "$c" --nproc "${BENCH_NPROC:-1}" \
+    timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_train.py "$c" --nproc "${BENCH_NPROC:-1}" \
       --steps ${BENCH_STEPS:-20} --timeout ${BENCH_RUN_TIMEOUT:-200} \
       --variants ${VARIANTS:-nocompile,compile,compile+ac} --no-fla 2>&1 \
       | tee -a "$OUT/bench_train.txt" | grep -v "^[^ ]* [0-9]* [a-z+]* {"

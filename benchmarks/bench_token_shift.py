@@ -1,8 +1,8 @@
 """Benchmark of kernels.token_shift.norm_shift_mix (a LayerNorm, then RWKV's token shift + lerps) beside the same in
 PyTorch (F.layer_norm, then the shift and lerp formula), compiled by torch.compile (Inductor) and eager, on one GPU.
 
-    python scripts/bench_token_shift.py                          # the table in kernels/token_shift/README.md
-    python scripts/bench_token_shift.py --set bwd_tiles=8        # a Settings field other than its default
+    python benchmarks/bench_token_shift.py                          # the table in kernels/token_shift/README.md
+    python benchmarks/bench_token_shift.py --set bwd_tiles=8        # a Settings field other than its default
 
 Per row: the GPU time of the forward and of the backward (the sum of the kernels' durations under the profiler, median
 of 5 calls; the backward from n given grads, one per output, as the models' n consumers give them), and the GB/s

@@ -1,7 +1,7 @@
-"""FLA's own model, trained for a few steps on one GPU the way scripts/bench_train.py runs ours: one JSON line.
+"""FLA's own model, trained for a few steps on one GPU the way benchmarks/bench_train.py runs ours: one JSON line.
 
-    python scripts/bench_fla_train.py configs/rwkv7_0.6B.toml --steps 30 [--activation-checkpoint] [--section.key=v ...]
-    python scripts/bench_fla_train.py configs/gsa_tiny.toml --check
+    python benchmarks/bench_fla_train.py configs/rwkv7_0.6B.toml --steps 30 [--activation-checkpoint] [--section.key=v ...]
+    python benchmarks/bench_fla_train.py configs/gsa_tiny.toml --check
 
 The model is FLA's RWKV7ForCausalLM or GSAForCausalLM with the config that `python -m flame.convert --to fla` writes
 for this flame model (flame/convert_fla.py), fresh weights, FLA's default fused norms and cross entropy, and our L2Wrap

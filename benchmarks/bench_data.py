@@ -1,6 +1,6 @@
 """Tokens per second of the training loader on the bundled sample, with 0, 1, 2 and 4 dataloader workers.
 
-    python scripts/bench_data.py [--seq-len 2048] [--batch-size 8] [--batches 60] [--workers 0 1 2 4]
+    python benchmarks/bench_data.py [--seq-len 2048] [--batch-size 8] [--batches 60] [--workers 0 1 2 4]
                                  [--tokenizer rwkv-world]
 
 Sources: data/sample/pile (0.8) and data/sample/webtext (0.2), shuffle buffer 1000 documents; the GPT-NeoX

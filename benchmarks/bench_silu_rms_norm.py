@@ -2,9 +2,9 @@
 torch.compile and eager: median ms of the forward and of the backward alone (torch.autograd.grad of a kept graph, so
 no gradient accumulates between repeats), same run, same GPU, bf16 o as the chunk kernel returns it, fp32 weight.
 
-    python scripts/bench_silu_rms_norm.py                       # B=8 T=4096 C=1280 (GSA 0.6B) and B=8 T=4096 C=2048
-    python scripts/bench_silu_rms_norm.py --shape 2 4096 1280   # one shape: B T C
-    python scripts/bench_silu_rms_norm.py --set bwd_tiles=32    # a Settings field other than its default
+    python benchmarks/bench_silu_rms_norm.py                       # B=8 T=4096 C=1280 (GSA 0.6B) and B=8 T=4096 C=2048
+    python benchmarks/bench_silu_rms_norm.py --shape 2 4096 1280   # one shape: B T C
+    python benchmarks/bench_silu_rms_norm.py --set bwd_tiles=32    # a Settings field other than its default
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.silu_rms_norm import naive_silu_rms_norm, silu_rms_norm  # noqa: E402
 from kernels.silu_rms_norm.op import Settings  # noqa: E402
-from scripts.bench_rwkv7_glue import timed  # noqa: E402
+from benchmarks.bench_rwkv7_glue import timed  # noqa: E402
 
 SHAPES = ((8, 4096, 1280), (8, 4096, 2048))
 EPS = 1e-5

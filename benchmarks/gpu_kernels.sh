@@ -2,7 +2,7 @@
 # One device call for the chunked kernels: install the carried wheels, restore the Triton cache, run the GPU tests
 # and the kernel benchmark (each under a timeout), save the Triton cache to $OUT, print the table last.
 # Carry [".whl", ".tcache"]; copy $OUT/tcache.tgz.* back to .tcache/ for the next call.
-#   TEST_TIMEOUT=300 BENCH_TIMEOUT=240 BENCH_ARGS="--op gsa --profile" bash scripts/gpu_kernels.sh
+#   TEST_TIMEOUT=300 BENCH_TIMEOUT=240 BENCH_ARGS="--op gsa --profile" bash benchmarks/gpu_kernels.sh
 # TEST_TIMEOUT=0 or BENCH_TIMEOUT=0 skips that part; TEST_PATHS narrows the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ if [ "${TEST_TIMEOUT:-300}" -gt 0 ]; then
     ${TEST_PATHS:-tests/kernels tests/models} ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [ "${BENCH_TIMEOUT:-300}" -gt 0 ]; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" \
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" \
     | grep -v '^|'
 fi
 tar czf - -C /tmp tcache | split -b 15M - "$OUT/tcache.tgz."

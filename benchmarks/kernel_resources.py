@@ -3,7 +3,7 @@ in the largest loop body, a sequential scan's step) of every kernel build our op
 (kernels/ops.py), compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel
 change can be judged before a device call. The builds are recorded from the launch code (kernels/launch.py).
 
-    python scripts/kernel_resources.py [--op rwkv7|gsa] [--set rwkv7.prep_maxnreg=128]
+    python benchmarks/kernel_resources.py [--op rwkv7|gsa] [--set rwkv7.prep_maxnreg=128]
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
     ncu --section WarpStateStats --section SourceCounters -o /tmp/rep python3 ...      (on the GPU machine)
     ncu --import /tmp/rep.ncu-rep -k _fwd_scan --page source --print-source sass --csv > fwd_scan.csv
-    python3 scripts/ncu_hotspots.py fwd_scan.csv [--top 15]
+    python3 benchmarks/ncu_hotspots.py fwd_scan.csv [--top 15]
 
 Prints the stall reasons over all samples, the share of samples per opcode, the local-memory (spilled registers)
 against global L2 sectors, and the instructions where most samples fell with their main reasons. A load issued
-right before its use shows up as the first instruction that consumes it waiting on `long_sb`. scripts/ncu_scans.sh
+right before its use shows up as the first instruction that consumes it waiting on `long_sb`. benchmarks/ncu_scans.sh
 writes these CSVs (SOURCE=1).
 """
 

@@ -1,9 +1,9 @@
 """Training throughput: tokens/s per device, MFU, peak memory and time to first step of whole training steps, as a
 table over models and variants, with FLA's own models beside ours.
 
-    python scripts/bench_train.py configs/rwkv7_0.6B.toml configs/gsa_0.6B.toml configs/transformer_0.6B.toml \
+    python benchmarks/bench_train.py configs/rwkv7_0.6B.toml configs/gsa_0.6B.toml configs/transformer_0.6B.toml \
         --steps 30 --variants compile+ac,compile+sac
-    python scripts/bench_train.py configs/rwkv7_0.6B.toml --steps 10 --nproc 1,8 --variants nocompile,hsdp --no-fla
+    python benchmarks/bench_train.py configs/rwkv7_0.6B.toml --steps 10 --nproc 1,8 --variants nocompile,hsdp --no-fla
 
 Each config and variant runs `scripts/launch.sh` (torchrun, each count of --nproc processes) in a fresh process on the
 synthetic token stream (no data loading cost, no checkpoints); "hsdp" replicates over 2 groups and shards within
@@ -12,7 +12,7 @@ of the second half only, one line per step: the median step's tokens/s and MFU, 
 from the start of a rank's process to the end of its first step (imports, building, compiling, autotuning).
 
 For an RWKV-7 or GSA config, FLA's RWKV7ForCausalLM / GSAForCausalLM of the same shape run too, on one GPU at their
-best setting (scripts/bench_fla_train.py: bf16 autocast, fused AdamW; FLA's activation checkpointing only where
+best setting (benchmarks/bench_fla_train.py: bf16 autocast, fused AdamW; FLA's activation checkpointing only where
 they do not fit without), in a fresh process under --timeout. Their MFU counts our model's FLOPs per token. Their rows
 are left out, with a note, when fla is not installed, there is no GPU, or they fail or time out; a note gives the time
 of their first step alone (FLA's autotuning, which Triton's cache keeps, so that a second run, even after a timeout,
@@ -88,7 +88,7 @@ def steady(records: list[dict], steps: int) -> dict:
 
 
 def run_fla(config: str, steps: int, overrides: list[str], activation_checkpoint: bool, timeout: int) -> dict:
-    cmd = [sys.executable, "scripts/bench_fla_train.py", config, f"--steps={steps}", *overrides]
+    cmd = [sys.executable, "benchmarks/bench_fla_train.py", config, f"--steps={steps}", *overrides]
     if activation_checkpoint:
         cmd.append("--activation-checkpoint")
     try:

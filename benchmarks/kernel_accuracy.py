@@ -1,9 +1,9 @@
 """Error of the RWKV-6 or RWKV-7 Triton kernel against the fp64 recurrence, for every output and gradient (RMSE /
 RMS, the measure the GPU tests hold to 5e-3), on one GPU:
 
-    python scripts/kernel_accuracy.py                                  # RWKV-6, B=2 T=4096 H=4 K=V=64
-    python scripts/kernel_accuracy.py --op rwkv7
-    python scripts/kernel_accuracy.py --set rwkv6.bf16_products=False  # a setting other than its default
+    python benchmarks/kernel_accuracy.py                                  # RWKV-6, B=2 T=4096 H=4 K=V=64
+    python benchmarks/kernel_accuracy.py --op rwkv7
+    python benchmarks/kernel_accuracy.py --set rwkv6.bf16_products=False  # a setting other than its default
 
 Rows: bf16 inputs at the model's initial decays, bf16 inputs under the stress decays (-1e-6 .. -50 per step), fp32
 inputs under the stress decays. The inputs, cotangents and reference are the kernel tests' own.

@@ -3,9 +3,9 @@ plain PyTorch (their naive.py) under torch.compile and eager: the GPU's time in 
 of the forward and of forward+backward, same run, same GPU, bf16 inputs as the model makes them. (Wall time of one
 such op alone is host-bound: its dispatch and launches take longer than its kernels.)
 
-    python scripts/bench_rwkv7_glue.py                          # B=8 T=4096 N=64 at C=1280 (RWKV-7 0.6B) and 2048
-    python scripts/bench_rwkv7_glue.py --shape 2 4096 1280 64   # one shape: B T C N
-    python scripts/bench_rwkv7_glue.py --set key.fwd_tokens=64 --set out.warps=8   # other Settings fields
+    python benchmarks/bench_rwkv7_glue.py                          # B=8 T=4096 N=64 at C=1280 (RWKV-7 0.6B) and 2048
+    python benchmarks/bench_rwkv7_glue.py --shape 2 4096 1280 64   # one shape: B T C N
+    python benchmarks/bench_rwkv7_glue.py --set key.fwd_tokens=64 --set out.warps=8   # other Settings fields
 
 (kernels/ops.py describes the chunk ops, whose adapters and offline compile checks assume a chunk kernel; these two
 elementwise ops have one launch regime each, so they are timed here.)

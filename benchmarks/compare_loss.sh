@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains several configs for the same steps on the same data (the bundled sample, so it runs anywhere) and plots
 # their loss curves into one PNG:
-#   bash scripts/compare_loss.sh configs/rwkv7_0.1B.toml configs/transformer_0.1B.toml configs/gsa_0.1B.toml
+#   bash benchmarks/compare_loss.sh configs/rwkv7_0.1B.toml configs/transformer_0.1B.toml configs/gsa_0.1B.toml
 # Variables: STEPS (300), BATCH (4), SEQ_LEN (1024), LR (8e-4, warmup 10 then cosine to a tenth), RUNS
 # (runs/compare: one run folder per config), PNG ($RUNS/loss.png), EXTRA (more overrides for every run). Every run
 # gets the same overrides: only the model section and each model's own optimizer settings (betas, eps, parameter
