@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from flame.export import (CONFIG, ConvertError, ModelState, build_args, check_tensors, copy_tokenizer, empty_state,
-                          folder_tokenizer_files, load_torch_file, staged_output, standalone)
+                          folder_tokenizer_files, load_torch_file, save_safetensors, staged_output, standalone)
 
 RWKV_LM_GROUP_NORM_EPS = 64e-5
 """flame's (and RWKV-LM's) ln_x epsilon; FLA's is head_dim * norm_eps."""
@@ -446,7 +446,7 @@ def write_fla(dst: Path, model: ModelState) -> Path:
         pass
     with staged_output(dst) as tmp:
         tmp.mkdir()
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(sd, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copy_tokenizer(model.tokenizer, tmp)
     model.notes.extend(layout.notes(model.args))

@@ -257,12 +257,26 @@ def read_export(folder: str | Path) -> ModelState:
                       f"{folder} holds no tokenizer files; none copied", seq_len=meta.get("seq_len"))
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with the file's mode following the umask like every other file written: safetensors
+    writes a private temporary file (mode 0600) and renames it into place, which would leave the weights unreadable
+    to the group that can read the rest of the folder."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
 def write_export(dst: str | Path, model: ModelState) -> Path:
     """`dst` as an export folder, complete or absent."""
     dst = Path(dst)
     with staged_output(dst) as tmp:
         tmp.mkdir()
-        save_file(standalone(model.state), str(tmp / WEIGHTS))
+        save_safetensors(standalone(model.state), tmp / WEIGHTS)
         meta = {"model": dataclasses.asdict(model.args), "step": model.step, "source": model.source,
                 "seq_len": model.seq_len}
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2))
@@ -323,13 +337,15 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
                       tokenizer, note, seq_len=cfg.training.seq_len)
 
 
-def export(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+def export(run_dir: Path, out_dir: Path, step: int | None = None) -> ModelState:
+    """Write the run's checkpoint (the newest complete one, or `step`) as an export folder; returns what was read."""
     with stage(f"read {run_dir}" + (f" step {step}" if step is not None else "")):
         model = read_run(run_dir, step)
     for note in model.messages():
         print(f"note: {note}", file=sys.stderr)
     with stage(f"wrote {out_dir}"):
-        return write_export(out_dir, model)
+        write_export(out_dir, model)
+    return model
 
 
 # ------------------------------------------------------------------------------------------------ loading back
@@ -370,17 +386,28 @@ def load_exported_weights(model: nn.Module, folder: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Export a flame checkpoint as config.json + model.safetensors.")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("out_dir", type=Path)
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    p = argparse.ArgumentParser(
+        prog="python -m flame.export",
+        description="Export a checkpoint of a flame run as a folder of config.json (model settings, step, training "
+                    "seq_len), model.safetensors (fp32 weights) and the run's tokenizer files. The folder is what "
+                    "flame.eval, flame.generate, flame.lm_eval and checkpoint.init_from read; flame.convert turns "
+                    "it into FLA / Hugging Face or RWKV-LM formats.",
+        epilog="Any number of ranks may have saved the checkpoint. OUT_DIR is written whole or not at all. Bad input "
+               "is one line on stderr and exit code 2.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                   help="the run folder (job.dump_folder): its checkpoint/step-N folders are read")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the export folder to write; must not exist yet "
+                   "(an empty folder is fine)")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="export checkpoint step-N (default: the newest complete checkpoint)")
     a = p.parse_args(argv)
     try:
-        out = export(a.run_dir, a.out_dir, a.step)
+        model = export(a.run_dir, a.out_dir, a.step)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported {a.run_dir} to {out}")
+    print(f"exported step {model.step} of {a.run_dir} to {a.out_dir} ({model.args.name}, "
+          f"{sum(v.numel() for v in model.state.values()) / 1e6:.1f}M parameters)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import flame.convert_fla
+import flame.export
 from flame.convert import main
 from flame.export import ModelState, write_export
 from flame.models import build_model, model_args_class
@@ -199,7 +199,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(flame.convert_fla, "save_file", disk_full)
+    monkeypatch.setattr(flame.export, "save_file", disk_full)
     with pytest.raises(OSError):
         main([str(pth), str(tmp_path / "a" / "b" / "out"), "--to", "fla"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]

@@ -1,0 +1,58 @@
+"""python -m flame.export as a user meets it: --help explains the arguments, the step written is printed, and the
+exported files get the mode the umask gives every other file of the run folder (safetensors alone wrote 0600)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+from tests.helpers import REPO, env, write_config
+
+UMASK = 0o027  # group may read, others nothing: a shared project folder's usual setting
+
+
+def with_umask():
+    os.umask(UMASK)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def flame_export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flame.export", *args], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=120, preexec_fn=with_umask)
+
+
+def test_help_explains_every_argument():
+    proc = flame_export("--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for words in ("RUN_DIR", "OUT_DIR", "--step N", "newest complete checkpoint", "must not exist",
+                  "model.safetensors", "tokenizer"):
+        assert words in text, (words, proc.stdout)
+
+
+def test_export_prints_its_step_and_files_follow_the_umask(tmp_path):
+    path, dump = write_config(tmp_path)
+    train = subprocess.run([sys.executable, "-m", "flame.train", "--config", str(path), "--training.steps=2",
+                            "--checkpoint.interval=1"], cwd=REPO, env=env(), capture_output=True, text=True,
+                           timeout=300, preexec_fn=with_umask)
+    assert train.returncode == 0, train.stderr[-3000:]
+    run_files = [dump / "metrics.jsonl", dump / "config.toml"]
+    assert {mode(p) for p in run_files} == {0o666 & ~UMASK}   # what the umask gives the run's own files
+
+    out = tmp_path / "exported"
+    proc = flame_export(str(dump), str(out), "--step", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"exported step 1 of {dump} to {out}"), proc.stdout
+    newest = flame_export(str(dump), str(tmp_path / "newest"))
+    assert f"exported step 2 of {dump}" in newest.stdout, newest.stdout
+
+    files = {p.name: mode(p) for p in out.iterdir()}
+    assert {"config.json", "model.safetensors"} <= set(files)
+    assert set(files.values()) == {0o666 & ~UMASK}, files
+    assert mode(out) == 0o777 & ~UMASK
+
