@@ -120,9 +120,10 @@ def convert(src: str | Path, dst: str | Path, to: str = "flame", tokenizer: str 
 
 def load_init_weights(model: nn.Module, source: str | Path) -> ModelState:
     """checkpoint.init_from: copy the weights of any supported source into `model` (built from the run's config).
-    Raises ValueError naming every tensor that does not fit, and the model settings that differ."""
+    Raises ConvertError for a source that cannot be read, ValueError of one line for weights that do not fit (both
+    architectures named where they differ, else the settings that differ and the tensors that do not fit)."""
     loaded = read_model(source)
-    load_weights(model, loaded.state, source, loaded.args)
+    load_weights(model, loaded.state, loaded.args)
     return loaded
 
 

@@ -1,10 +1,12 @@
 """Loss, perplexity and bits per byte of a model on held-out text.
 
-    python -m flame.eval MODEL --data GLOB [--max-tokens N] [--seq-len N] [--batch-size N] [--tokenizer SPEC]
+    python -m flame.eval MODEL --data GLOB [--step N] [--max-tokens N] [--seq-len N] [--batch-size N]
+        [--tokenizer SPEC] [--json]
 
-MODEL is anything flame.convert reads (a flame export folder, a flame run folder = its newest complete checkpoint,
-an FLA / Hugging Face folder, an RWKV-LM .pth); its tokenizer comes with it unless --tokenizer names one. --data is
-a glob (or folder) of files in any format the data pipeline reads (jsonl, jsonl.zst, json.gz, parquet, txt).
+MODEL is anything flame.convert reads (a flame export folder, a flame run folder = its newest complete checkpoint or
+--step N, an FLA / Hugging Face folder, an RWKV-LM .pth); its tokenizer comes with it unless --tokenizer names one.
+--data is a glob (or folder) of files in any format the data pipeline reads (jsonl, jsonl.zst, json.gz, parquet,
+txt).
 
 Tokens: the files are read in sorted order and their documents in file order; each document is followed by the eos
 token, as in training. The token stream starts with one eos (as if a document had just ended), so the first token
@@ -17,8 +19,9 @@ between documents). When --max-tokens cuts a document, it counts the bytes of th
 (up to the end of the last scored token's characters) and no eos byte.
 
 Output (stdout): the tokens and bytes scored, loss in nats per token, perplexity exp(loss), and bits per byte =
-total loss in nats / ln 2 / bytes, which compares models whose tokenizers differ. Bad input is one line on stderr
-and exit code 2.
+total loss in nats / ln 2 / bytes, which compares models whose tokenizers differ: one `key: value` a line, or with
+--json one JSON object of them, the model, its step (null where the source knows none) and the data glob. Bad input
+is one line on stderr and exit code 2.
 
 Several processes (torchrun, e.g. `NPROC=8 scripts/launch.sh -m flame.eval MODEL --data GLOB`): every rank reads and
 tokenizes the whole stream and scores window i when i % world_size == rank, so the ranks together score exactly the
@@ -34,6 +37,7 @@ if __name__ == "__main__":  # a rank started by scripts/launch.sh: end with the 
     lifeline.die_with_launcher()
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -82,12 +86,13 @@ class EvalResult:
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
-def load_model(src: str, device: str | torch.device = "cpu") -> tuple[nn.Module, ModelState]:
-    loaded = read_model(src)
+def load_model(src: str, device: str | torch.device = "cpu", step: int | None = None) -> tuple[nn.Module, ModelState]:
+    """The model of any source flame.convert reads (`step`: a run folder's checkpoint), in eval mode."""
+    loaded = read_model(src, step)
     with torch.device("meta"):
         model = build_model(loaded.args)
     model = model.to_empty(device=device)
-    load_weights(model, loaded.state, src, loaded.args)
+    load_weights(model, loaded.state, loaded.args)
     return model.eval(), loaded
 
 
@@ -284,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
                                 description="Loss, perplexity and bits per byte of a model on held-out text.")
     p.add_argument("model", help="flame export or run folder, FLA / Hugging Face folder, or RWKV-LM .pth")
     p.add_argument("--data", required=True, help="glob or folder of jsonl, jsonl.zst, json.gz, parquet or txt files")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="a run folder's checkpoint step-N (default: its newest complete checkpoint)")
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens (default: all)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer spec overriding the model's (as data.tokenizer)")
     p.add_argument("--eos-token", default=WORLD_SEPARATOR, help="the token that ends every document")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     a = p.parse_args(argv)
     rank_env = int(os.environ.get("RANK", "0"))  # known before the job is joined: only rank 0 says what went wrong
 
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise EvalError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}")
         plans = file_plans(a.data, a.text_field)
         rank, world_size, device = join_job(a.device)
-        model, loaded = load_model(a.model, device)
+        model, loaded = load_model(a.model, device, a.step)
         tokenizer = load_tokenizer(loaded, a.model, a.tokenizer, a.eos_token)
     except (EvalError, ConvertError) as e:
         fail(str(e))
@@ -321,7 +329,11 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
     if result.tokens == 0:
         fail(f"--data {a.data!r}: no usable document")
-    if rank == 0:
+    if rank == 0 and a.json:
+        print(json.dumps({"model": a.model, "step": loaded.step, "data": a.data, "tokens": result.tokens,
+                          "bytes": result.bytes, "loss": result.loss, "perplexity": result.perplexity,
+                          "bits_per_byte": result.bits_per_byte}))
+    elif rank == 0:
         print(f"tokens: {result.tokens}\nbytes: {result.bytes}\nloss: {result.loss:.6f}\n"
               f"perplexity: {result.perplexity:.4f}\nbits_per_byte: {result.bits_per_byte:.6f}")
 

@@ -351,38 +351,37 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None) -> ModelState:
 # ------------------------------------------------------------------------------------------------ loading back
 def load_exported(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """The exported model, ready for evaluation or generation."""
-    args = read_args(folder)
+    exported = read_export(folder)
     with torch.device("meta"):
-        model = build_model(args)
+        model = build_model(exported.args)
     model = model.to_empty(device=device)
-    load_exported_weights(model, folder)
+    load_weights(model, exported.state, exported.args)
     return model
 
 
-def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str | Path, args=None) -> None:
-    """Copy flame-named `weights` into `model`; ValueError naming every tensor that does not fit (and, given the
-    source's args, the model settings that differ) otherwise."""
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], args=None) -> None:
+    """Copy flame-named `weights` into `model`; otherwise a ValueError of one line (its caller names the source):
+    given the source's args, a source of another architecture names both, one with other settings names the settings
+    that differ; then how many tensors do not fit, and the first few."""
+    mine = getattr(model, "args", None)
+    if args is not None and mine is not None and args.name != mine.name:
+        raise ValueError(f"holds a {args.name!r} model (model.name), not a {mine.name!r} one: weights do not carry "
+                         f"over between architectures")
     own = model.state_dict()
-    problems = [f"{k}: missing from {source}" for k in own if k not in weights]
+    problems = [f"{k}: missing there" for k in own if k not in weights]
     problems += [f"{k}: not in this model" for k in weights if k not in own]
-    problems += [f"{k}: shape {tuple(weights[k].shape)} in {source}, {tuple(v.shape)} here"
+    problems += [f"{k}: shape {tuple(weights[k].shape)} there, {tuple(v.shape)} here"
                  for k, v in own.items() if k in weights and weights[k].shape != v.shape]
     if problems:
-        mine = getattr(model, "args", None)
         changed = []
         if args is not None and mine is not None:
-            changed = [f"model.{k}: {v!r} in {source}, {getattr(mine, k, None)!r} here"
+            changed = [f"model.{k}: {v!r} there, {getattr(mine, k, None)!r} here"
                        for k, v in vars(args).items() if getattr(mine, k, None) != v]
-        raise ValueError("weights do not fit this model:\n  " + "\n  ".join(problems[:8])
-                         + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-                         + ("\nmodel settings that differ:\n  " + "\n  ".join(changed) if changed else ""))
+        settings = f"model settings differ ({'; '.join(changed)}); " if changed else ""
+        shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+        count = f"{len(problems)} tensors do not fit" if len(problems) > 1 else "1 tensor does not fit"
+        raise ValueError(f"weights do not fit this model: {settings}{count} ({shown})")
     model.load_state_dict(weights)
-
-
-def load_exported_weights(model: nn.Module, folder: str | Path) -> None:
-    """Copy an exported folder's weights into `model` (same architecture), naming any mismatch."""
-    exported = read_export(folder)
-    load_weights(model, exported.state, folder, exported.args)
 
 
 def main(argv: list[str] | None = None) -> None:
