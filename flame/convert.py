@@ -1,17 +1,18 @@
 """Convert models between flame, RWKV-LM and FLA / Hugging Face, in any direction.
 
-    python -m flame.convert SRC DST [--to flame|fla|rwkv-lm] [--tokenizer PATH] [--step N]
+    python -m flame.convert SRC DST [--to flame|fla|hf|rwkv-lm] [--tokenizer PATH] [--step N]
 
 SRC, detected by what it holds:
   - an RWKV-LM RWKV-7 (x070) or RWKV-6 (x060) checkpoint: a .pth file of RWKV-LM-named tensors (version and
     settings read off their names and shapes);
-  - an FLA / Hugging Face folder: config.json with model_type rwkv7, rwkv6 or gsa, weights as model.safetensors,
-    sharded safetensors (model.safetensors.index.json) or pytorch_model.bin;
+  - an FLA / Hugging Face folder: config.json with model_type rwkv7, rwkv6, gsa or llama (flame's Transformer),
+    weights as model.safetensors, sharded safetensors (model.safetensors.index.json) or pytorch_model.bin;
   - a flame export folder (config.json with "model", model.safetensors: python -m flame.export writes these);
   - a flame run folder: its newest complete checkpoint, or --step N (any number of ranks saved it).
-DST, by --to: flame (default) an export folder for flame.export.load_exported and checkpoint.init_from; fla a folder
-that AutoModelForCausalLM.from_pretrained loads with fla installed; rwkv-lm a .pth that RWKV-LM and the rwkv package
-load (RWKV-7 and RWKV-6). DST is written whole or not at all, and must not exist yet.
+DST, by --to: flame (default) an export folder for flame.export.load_exported and checkpoint.init_from; fla (or hf,
+the same) a folder that transformers' AutoModelForCausalLM.from_pretrained loads: RWKV-7, RWKV-6 and GSA with fla
+installed, the Transformer as a Llama without it; rwkv-lm a .pth that RWKV-LM and the rwkv package load (RWKV-7 and
+RWKV-6). DST is written whole or not at all, and must not exist yet.
 
 Tokenizers travel along: tokenizer.json, or RWKV's World vocabulary under its own name. --tokenizer PATH (a
 tokenizer.json, a World .txt, a folder holding one, or "rwkv-world") attaches one instead. An RWKV-LM .pth holds
@@ -37,7 +38,8 @@ from flame.data.tokenizer import WORLD_MODEL_VOCAB, WORLD_SPEC
 from flame.export import (ConvertError, ModelState, is_export_folder, is_run_folder, load_weights, read_export,
                           read_run, stage, tokenizer_files, write_export)
 
-TARGETS = ("flame", "fla", "rwkv-lm")
+TARGETS = ("flame", "fla", "hf", "rwkv-lm")
+"""Output formats; fla and hf are one: an FLA / Hugging Face folder (FLA's models, transformers' Llama)."""
 NEOX_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "gpt-neox-20b" / "tokenizer.json"
 NEOX_VOCABS = (50277, 50304)
 """GPT-NeoX-20B's vocabulary, and padded to a multiple of 64 as RWKV-LM's Pile models have it."""
@@ -94,7 +96,7 @@ def write_model(model: ModelState, dst: str | Path, to: str = "flame") -> Path:
     dst = Path(dst)
     if to == "flame":
         return write_export(dst, model)
-    if to == "fla":
+    if to in ("fla", "hf"):
         return write_fla(dst, model)
     if to == "rwkv-lm":
         return write_rwkv_lm(dst, model)
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                                 description="Convert a model between flame, RWKV-LM (.pth) and FLA / Hugging Face.")
     p.add_argument("src", type=Path, help="RWKV-LM .pth, FLA/HF folder, flame export folder or flame run folder")
     p.add_argument("dst", type=Path, help="the folder (or .pth for --to rwkv-lm) to write; must not exist")
-    p.add_argument("--to", choices=TARGETS, default="flame", help="output format (default: flame export folder)")
+    p.add_argument("--to", choices=TARGETS, default="flame",
+                   help="output format (default: flame export folder; fla = hf: an FLA / Hugging Face folder)")
     p.add_argument("--tokenizer", default=None,
                    help='tokenizer to attach: a tokenizer.json, a World vocabulary .txt, a folder, or "rwkv-world"')
     p.add_argument("--step", type=int, default=None, help="run folders: checkpoint step (default: newest complete)")

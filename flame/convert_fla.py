@@ -1,9 +1,11 @@
-"""FLA (flash-linear-attention) / Hugging Face model folders <-> flame weights, for RWKV-7, RWKV-6 and GSA.
+"""FLA (flash-linear-attention) / Hugging Face model folders <-> flame weights, for RWKV-7, RWKV-6 and GSA (FLA's
+models) and the Transformer (transformers' Llama).
 
-An FLA folder is config.json (model_type, architectures and every field FLA's config class writes) + the weights as
+Such a folder is config.json (model_type, architectures and every field the config class writes) + the weights as
 model.safetensors, sharded safetensors with model.safetensors.index.json, or pytorch_model.bin (+ its index), and
-maybe tokenizer files. The folders written here load with transformers' AutoModelForCausalLM.from_pretrained once
-fla is imported. The model's settings come from config.json; every tensor's name and shape is checked against them.
+maybe tokenizer files. The folders written here load with transformers' AutoModelForCausalLM.from_pretrained: the
+Transformer's as it is, the others once fla is imported. The model's settings come from config.json; every tensor's
+name and shape is checked against them.
 """
 
 from __future__ import annotations
@@ -358,7 +360,101 @@ class GSALayout:
         return name
 
 
-LAYOUTS = {layout.model_type: layout for layout in (RWKV7Layout(), RWKV6Layout(), GSALayout())}
+# ---------------------------------------------------------------------------------------------------- Transformer
+class LlamaLayout:
+    """transformers' LlamaForCausalLM, which loads without FLA: flame's Transformer is Llama's architecture exactly
+    (RMSNorm before attention and MLP, no biases anywhere, SwiGLU, RoPE on every head's whole width, grouped-query
+    attention, an optional tied head), so the logits are the same; Qwen2's q/k/v biases would have no counterpart.
+    Names: embed = model.embed_tokens, layers.i.{attn_norm, attn, mlp_norm, mlp} = model.layers.i.{input_layernorm,
+    self_attn, post_attention_layernorm, mlp}, norm = model.norm. flame rotates channel pairs (2i, 2i+1) of a head,
+    Llama pairs (i, i + head_dim/2) at the same frequency: Llama's q_proj and k_proj hold flame's rows in that order
+    (even rows, then odd rows, per head). Scores are q . k, so reordering both alike leaves them unchanged."""
+
+    model_type, flame_name, architecture = "llama", "transformer", "LlamaForCausalLM"
+    RENAMES = (("embed.", "model.embed_tokens."), ("norm.", "model.norm."), ("lm_head.", "lm_head."))
+    BLOCK = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."), ("mlp_norm.", "post_attention_layernorm."),
+             ("mlp.", "mlp."))
+
+    def config(self, args) -> dict:
+        return {
+            "architectures": [self.architecture], "attention_bias": False, "attention_dropout": 0.0,
+            "bos_token_id": None, "dtype": "float32", "eos_token_id": None,
+            "head_dim": args.hidden_size // args.num_heads, "hidden_act": "silu", "hidden_size": args.hidden_size,
+            "initializer_range": args.init_std,
+            "intermediate_size": args.ffn_size, "max_position_embeddings": 2048, "mlp_bias": False,
+            "model_type": self.model_type, "num_attention_heads": args.num_heads,
+            "num_hidden_layers": args.num_layers, "num_key_value_heads": args.kv_heads, "pad_token_id": None,
+            "pretraining_tp": 1, "rms_norm_eps": args.norm_eps, "rope_scaling": None, "rope_theta": args.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},   # transformers >= 5
+            "tie_word_embeddings": args.tie_embeddings, "use_cache": True, "vocab_size": args.vocab_size,
+        }
+
+    def check_writable(self, args, source: str) -> None:
+        """Every flame Transformer is a Llama."""
+
+    def notes(self, args) -> list[str]:
+        return []
+
+    def args(self, cfg: dict, file: Path):
+        for key, want, default in (("hidden_act", "silu", "silu"), ("attention_bias", False, False),
+                                   ("mlp_bias", False, False), ("pretraining_tp", 1, 1)):
+            _require(cfg, key, want, file, default)
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ConvertError(f"{file}: rope type {kind!r} is not supported (flame's Transformer has plain RoPE)")
+        C = _int(cfg, "hidden_size", 4096, file)
+        heads = _int(cfg, "num_attention_heads", 32, file)
+        if cfg.get("head_dim") not in (None, C // heads):
+            raise ConvertError(f"{file}: head_dim = {cfg['head_dim']} is not supported (flame's Transformer has "
+                               f"heads of hidden_size / num_attention_heads = {C // heads})")
+        fields = {"vocab_size": _int(cfg, "vocab_size", 32000, file), "hidden_size": C,
+                  "num_layers": _int(cfg, "num_hidden_layers", 32, file), "num_heads": heads,
+                  "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+                  "intermediate_size": _int(cfg, "intermediate_size", 11008, file),
+                  "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                  "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+                  "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+                  "init_std": float(cfg.get("initializer_range", 0.02))}
+        return build_args(self.flame_name, fields, file)
+
+    @staticmethod
+    def _rotary_rows(w: torch.Tensor, head_dim: int, to_llama: bool) -> torch.Tensor:
+        """q_proj / k_proj rows per head: flame's pairs (2i, 2i+1) as Llama's halves (i, i + head_dim/2), or back."""
+        rows, cols = w.shape
+        split = (rows // head_dim, head_dim // 2, 2, cols) if to_llama else (rows // head_dim, 2, head_dim // 2, cols)
+        return w.reshape(split).transpose(1, 2).reshape(rows, cols)
+
+    def _rename(self, name: str, to_llama: bool) -> str:
+        src, dst = (0, 1) if to_llama else (1, 0)
+        prefix = ("layers.", "model.layers.")
+        if name.startswith(prefix[src]):
+            index, _, rest = name[len(prefix[src]):].partition(".")
+            for pair in self.BLOCK:
+                if rest.startswith(pair[src]):
+                    return f"{prefix[dst]}{index}.{pair[dst]}{rest[len(pair[src]):]}"
+        for pair in self.RENAMES:
+            if name.startswith(pair[src]):
+                return pair[dst] + name[len(pair[src]):]
+        return name
+
+    def _convert(self, state: dict, args, to_llama: bool) -> dict:
+        head_dim = args.hidden_size // args.num_heads
+        out = {}
+        for name, tensor in state.items():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                tensor = self._rotary_rows(tensor, head_dim, to_llama)
+            out[self._rename(name, to_llama)] = tensor
+        return out
+
+    def to_fla(self, state: dict, args) -> dict:
+        return self._convert(state, args, True)
+
+    def from_fla(self, sd: dict, args) -> dict:
+        return self._convert(sd, args, False)
+
+
+LAYOUTS = {layout.model_type: layout for layout in (RWKV7Layout(), RWKV6Layout(), GSALayout(), LlamaLayout())}
 """FLA model_type -> its layout."""
 
 
@@ -425,7 +521,9 @@ def read_fla(folder: Path) -> ModelState:
                            f"{', '.join(sorted(LAYOUTS))})")
     args = layout.args(cfg, path)
     sd, file = load_weights(folder)
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd and "model.embeddings.weight" in sd:
+    if cfg.get("tie_word_embeddings") and getattr(args, "tie_embeddings", False):
+        sd.pop("lm_head.weight", None)   # a copy of the embedding some writers keep: flame's tied head has none
+    elif cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd and "model.embeddings.weight" in sd:
         sd["lm_head.weight"] = sd["model.embeddings.weight"]   # flame's head is its own tensor
     check_tensors(file, sd, layout.to_fla(empty_state(args), args))
     state = {k: v.float().contiguous() for k, v in layout.from_fla(sd, args).items()}

@@ -105,7 +105,7 @@ def case_shape_against_config(tmp):
 
 
 def case_fla_unknown_model_type(tmp, fla):
-    return copy_fla(fla, tmp / "llama", config={"model_type": "llama"}), [], ["config.json", "'llama'"]
+    return copy_fla(fla, tmp / "mamba2", config={"model_type": "mamba2"}), [], ["config.json", "'mamba2'"]
 
 
 def case_fla_missing_tensor(tmp, fla):
