@@ -2,6 +2,12 @@
 
 metrics.jsonl holds each step once: a launch that resumes from step N (or starts fresh, N = 0) first drops the
 file's rows past step N, which a run stopped after its last checkpoint had logged and this one logs again.
+
+Every row carries wall-clock time, so that curves can be plotted against it (scripts/plot_metrics.py --x time):
+`time`, Unix seconds when it was written, and `elapsed_sec`, seconds of this run's training: counted from the
+metrics logger's start (the model built and any checkpoint loaded, before the first step) and summed over the run's
+launches, a resume going on from the largest elapsed_sec of the rows it keeps (time between launches not counted).
+Console lines begin with the local date and time (`clock`).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class MetricsLogger:
         self.window_tokens = 0
         self.train_start = time.perf_counter()
         self.steps_timed = 0
+        self.elapsed_before = elapsed_sec_logged(run_dir / "metrics.jsonl") if rank == 0 else 0.0
 
     def count(self, global_tokens: int) -> None:
         """Tokens (inputs, all ranks) processed by one optimizer step."""
@@ -95,29 +102,35 @@ class MetricsLogger:
         step_time = (now - self.train_start) / max(self.steps_timed, 1)
         record = {"step": step, **values, "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
                   "mfu": mfu, "memory_gib": peak_memory_gib(self.device),
-                  "eta_sec": step_time * (self.cfg.training.steps - step)}
+                  "eta_sec": step_time * (self.cfg.training.steps - step), **self.clock_fields()}
         self.window_start, self.window_tokens = now, 0
         if self.rank == 0:
             self.file.write(json.dumps(record, default=_jsonable) + "\n")
             self.file.flush()
             print(console_line(record), flush=True)
             if self.wandb is not None:
-                self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+                self.wandb.log({k: v for k, v in record.items() if k not in ("step", "time") and v is not None},
+                               step=step)
         return record
 
     def log_eval(self, step: int, loss: float) -> None:
         ppl = math.exp(min(loss, 50.0))
         self.log_extra(step, {"eval_loss": loss, "eval_ppl": ppl})
         if self.rank == 0:
-            print(f"step {step:>6} | eval loss {loss:.4f} | ppl {ppl:.2f}", flush=True)
+            print(f"{clock()} step {step:>6} | eval loss {loss:.4f} | ppl {ppl:.2f}", flush=True)
 
     def log_extra(self, step: int, values: dict) -> None:
         """A line of its own in metrics.jsonl (eval results, checkpoint timings), and in wandb."""
         if self.rank == 0:
-            self.file.write(json.dumps({"step": step, **values}) + "\n")
+            self.file.write(json.dumps({"step": step, **values, **self.clock_fields()}) + "\n")
             self.file.flush()
             if self.wandb is not None:
                 self.wandb.log(values, step=step)
+
+    def clock_fields(self) -> dict:
+        """The wall-clock fields of a row (module docstring)."""
+        return {"time": round(time.time(), 3),
+                "elapsed_sec": round(self.elapsed_before + time.perf_counter() - self.train_start, 3)}
 
     def close(self) -> None:
         if self.file:
@@ -146,6 +159,24 @@ def drop_rows_after(path: Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
+def elapsed_sec_logged(path: Path) -> float:
+    """The largest elapsed_sec of a metrics.jsonl's rows (0 without any): where a resumed run's clock goes on."""
+    if not path.is_file():
+        return 0.0
+    latest = 0.0
+    for line in path.read_text().splitlines():
+        try:
+            latest = max(latest, float(json.loads(line).get("elapsed_sec", 0.0)))
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            pass
+    return latest
+
+
+def clock(unix_time: float | None = None) -> str:
+    """Local date and time as console lines begin with it: 2026-11-27 23:45:01."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
+
+
 def _jsonable(x):
     return x.item() if isinstance(x, torch.Tensor) else str(x)
 
@@ -154,8 +185,9 @@ def console_line(r: dict) -> str:
     mfu = "  n/a" if r["mfu"] is None else f"{r['mfu']:5.1f}%"
     eta = time.strftime("%H:%M:%S", time.gmtime(r["eta_sec"])) if r["eta_sec"] < 86400 else f"{r['eta_sec']/86400:.1f}d"
     skipped = f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
-    return (f"step {r['step']:>6} | loss {r['loss']:.4f} | grad norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
-            f"{r['tokens_per_sec']:,.0f} tok/s | mfu {mfu} | mem {r['memory_gib']:.2f} GiB | eta {eta}{skipped}")
+    return (f"{clock(r.get('time'))} step {r['step']:>6} | loss {r['loss']:.4f} | grad norm {r['grad_norm']:.3f} | "
+            f"lr {r['lr']:.3e} | {r['tokens_per_sec']:,.0f} tok/s | mfu {mfu} | mem {r['memory_gib']:.2f} GiB | "
+            f"eta {eta}{skipped}")
 
 
 def warn(msg: str) -> None:
