@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+EOS = "<|endoftext|>"
 
 TINY = """
 [job]
@@ -59,6 +62,40 @@ def write_config(tmp_path: Path, name: str = "run", text: str = TINY) -> tuple[P
     return path, dump
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Imported by a test module (`from tests.helpers import one_thread`), it runs the module's tests on one torch
+    thread: recurrences, decoding and the rwkv package's RNN mode are thousands of tiny ops, for which a second thread
+    only adds overhead (10x on a busy 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def exit_line(capsys, main, argv) -> str:
+    """The one stderr line of main(argv) exiting with code 2."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def byte_bpe(texts, path: Path, vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on `texts` with EOS as its special token, saved as `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return tok
+
+
 def env() -> dict:
     e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -80,6 +117,23 @@ def read_metrics(dump: Path, key: str = "loss") -> list[dict]:
     """The metrics.jsonl records that carry `key` (training steps by default; eval and checkpoint lines apart)."""
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if key in r]
+
+
+def last_step(dump: Path) -> int:
+    """The newest training step in a (running) run's metrics.jsonl; 0 before the first."""
+    try:
+        return max((r["step"] for r in read_metrics(dump)), default=0)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
+        return 0
+
+
+def wait_for_step(dump, proc, step, timeout=240):
+    """Wait until the run `proc` (still running) has logged `step`."""
+    start = time.time()
+    while last_step(dump) < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - start < timeout, f"step {step} never came"
+        time.sleep(0.05)
 
 
 def read_checkpoint(dump: Path, step: int) -> dict:

@@ -6,16 +6,7 @@ import pytest
 
 from flame.config import ConfigError, load_config, parse_overrides, to_toml
 from flame.train import main
-from tests.helpers import REPO, env, write_config
-
-
-def exit_line(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return err[0]
+from tests.helpers import REPO, env, exit_line, write_config
 
 
 @pytest.mark.parametrize("override,key,expected", [
@@ -34,16 +25,16 @@ def exit_line(capsys, argv) -> str:
 ])
 def test_bad_value_exits_2_naming_file_and_key(tmp_path, capsys, override, key, expected):
     path, _ = write_config(tmp_path)
-    line = exit_line(capsys, ["--config", str(path), override])
+    line = exit_line(capsys, main, ["--config", str(path), override])
     assert str(path) in line and f" {key}: expected {expected}" in line
 
 
 def test_bad_toml_and_missing_file(tmp_path, capsys):
     path, _ = write_config(tmp_path, text="[training]\nsteps = \n")
-    assert "valid TOML" in exit_line(capsys, ["--config", str(path)])
-    assert "an existing TOML file" in exit_line(capsys, ["--config", str(tmp_path / "nope.toml")])
+    assert "valid TOML" in exit_line(capsys, main, ["--config", str(path)])
+    assert "an existing TOML file" in exit_line(capsys, main, ["--config", str(tmp_path / "nope.toml")])
     path, _ = write_config(tmp_path, text="[training]\nsteps = 10\n")  # no data source
-    assert "data.sources: expected at least one" in exit_line(capsys, ["--config", str(path)])
+    assert "data.sources: expected at least one" in exit_line(capsys, main, ["--config", str(path)])
 
 
 def test_override_forms_and_types():

@@ -16,6 +16,7 @@ from flame.export import load_exported, read_export
 from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
                                    flame_logits_one_and_two_documents, random_rwkv_lm_checkpoint, relative,
                                    rwkv_package_settings)
+from tests.helpers import one_thread  # noqa: F401  (the rwkv package's RNN mode: tiny ops per token)
 
 LAYERS, WIDTH, HEAD, VOCAB = 2, 128, 64, 300
 MIX_RANK, DECAY_RANK, FFN = 16, 24, 448   # ranks unlike RWKV-LM's defaults, so the widths must come from the shapes
@@ -46,15 +47,6 @@ def rwkv_lm_checkpoint(layers=LAYERS, width=WIDTH, head=HEAD, vocab=VOCAB, seed=
         return sd
 
     return random_rwkv_lm_checkpoint(layers, width, vocab, seed, block)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the rwkv package's RNN mode is hundreds of tiny ops per token: a second thread only adds overhead
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 pth, exported = checkpoint_fixtures(rwkv_lm_checkpoint)

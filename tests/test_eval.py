@@ -3,7 +3,6 @@ summed; bits per byte against bytes counted here from the documents; --max-token
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -11,41 +10,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from flame.eval import main
-from flame.export import ModelState, write_export
-from flame.models import build_model, model_args_class
-from tests.helpers import REPO, env
-
-EOS = "<|endoftext|>"
-DOCS = ["the quick brown fox jumps over the lazy dog. " * 3,
-        "héllo wörld, naïve café ünïcode text",
-        "a",
-        "pack my box with five dozen liquor jugs " * 4]
-SEQ_LEN = 16
+from tests.eval_export import DOCS, SEQ_LEN, parse, tiny_eval_export
+from tests.helpers import EOS, REPO, env
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    base = tmp_path_factory.mktemp("eval")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(base / "tokenizer.json"))
-    args = model_args_class("transformer")(name="transformer", vocab_size=320, hidden_size=64, num_layers=2,
-                                           num_heads=2)
-    torch.manual_seed(0)
-    model = build_model(args)
-    model.init_weights()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    export = write_export(base / "export", ModelState(args, state, "test",
-                                                      tokenizer={"tokenizer.json": base / "tokenizer.json"}))
-    data = base / "held_out.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    return base, export, data, tok, model.eval()
+    return tiny_eval_export(tmp_path_factory.mktemp("eval"))
 
 
 def reference(model, tok, n_targets=None):
@@ -63,10 +36,6 @@ def reference(model, tok, n_targets=None):
             logits = model(w[None, :-1])[0].double()
             total += F.cross_entropy(logits, w[1:], reduction="sum").item()
     return total, len(stream) - 1
-
-
-def parse(out: str) -> dict[str, float]:
-    return {k: float(v) for k, v in (line.split(": ") for line in out.strip().splitlines())}
 
 
 def test_loss_and_bits_per_byte_match_reference(setup, capsys):

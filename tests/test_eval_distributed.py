@@ -9,8 +9,13 @@ import subprocess
 import pytest
 
 from flame.eval import main
+from tests.eval_export import DOCS, SEQ_LEN, parse, tiny_eval_export
 from tests.helpers import REPO, env
-from tests.test_eval import DOCS, SEQ_LEN, parse, setup  # noqa: F401  (setup: the module's tiny export and data)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return tiny_eval_export(tmp_path_factory.mktemp("eval"))
 
 
 def two_processes(export, data, *extra, cwd=REPO) -> subprocess.CompletedProcess:
@@ -20,7 +25,7 @@ def two_processes(export, data, *extra, cwd=REPO) -> subprocess.CompletedProcess
 
 
 @pytest.mark.parametrize("cut", [False, True], ids=["all", "max-tokens"])
-def test_two_ranks_equal_one(setup, capsys, cut):  # noqa: F811
+def test_two_ranks_equal_one(setup, capsys, cut):
     base, export, data, tok, model = setup
     # --max-tokens inside document 1, as in test_eval
     extra = ["--max-tokens", str(len(tok.encode(DOCS[0], add_special_tokens=False).ids) + 1 + 5)] if cut else []
@@ -37,7 +42,7 @@ def test_two_ranks_equal_one(setup, capsys, cut):  # noqa: F811
         assert double[key] == pytest.approx(single[key], rel=1e-6), key
 
 
-def test_bad_input_is_one_line_from_rank_0(setup, tmp_path):  # noqa: F811
+def test_bad_input_is_one_line_from_rank_0(setup, tmp_path):
     base, export, data, tok, model = setup
     r = two_processes(tmp_path / "nope", data, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from flame.checkpoint import complete_steps, unreadable_file
-from tests.helpers import REPO, env, read_metrics, run_train, write_config
-from tests.test_stopping import last_step, wait_for_step
+from tests.helpers import REPO, env, last_step, read_metrics, run_train, wait_for_step, write_config
 
 CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0"]
 # checkpoints every 2 steps, all kept: a restart resumes from a step before the fault

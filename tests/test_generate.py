@@ -9,15 +9,13 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from flame.data.tokenizer import open_tokenizer
 from flame.export import ModelState, write_export
 from flame.generate import Sampling, StreamPrinter, keep_top_k, keep_top_p, main, sample
 from flame.models import build_model, model_args_class
-from tests.helpers import REPO, env
+from tests.helpers import EOS, REPO, byte_bpe, env
 
-EOS = "<|endoftext|>"
 TEXT = ["the quick brown fox jumps over the lazy dog. " * 3, "héllo wörld, naïve café ünïcode text",
         "pack my box with five dozen liquor jugs " * 4]
 SEQ_LEN = 24
@@ -26,12 +24,7 @@ SEQ_LEN = 24
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("generate")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(base / "tokenizer.json"))
+    byte_bpe(TEXT, base / "tokenizer.json")
     args = model_args_class("transformer")(name="transformer", vocab_size=320, hidden_size=64, num_layers=2,
                                            num_heads=4, num_kv_heads=2)
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 pytest.importorskip("lm_eval")
 
@@ -19,23 +18,13 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from flame.export import ModelState, write_export  # noqa: E402
 from flame.lm_eval import FlameLM, main  # noqa: E402
 from flame.models import build_model, model_args_class  # noqa: E402
-from tests.helpers import REPO  # noqa: E402
+from tests.helpers import EOS, REPO, byte_bpe, one_thread  # noqa: E402, F401  (one_thread: tiny matrices)
 
-EOS = "<|endoftext|>"
 TASK_DIR = REPO / "tests" / "data" / "lm_eval_task"
 ITEMS = [json.loads(line) for line in (TASK_DIR / "items.jsonl").read_text().splitlines()]
 TEXT = ("the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. "
         "how many legs does a spider have? a baby cat is called a kitten. ")
 WINDOW = 16
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matrices: two threads on a busy 2-core machine are 100x slower than one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(kind: str):
@@ -61,13 +50,8 @@ def tiny(kind: str):
 def setup(tmp_path_factory):
     """A BPE tokenizer trained on the task's text, and a tiny exported Transformer, RWKV-7 and GSA using it."""
     base = tmp_path_factory.mktemp("lm_eval")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     corpus = [TEXT] + [f"Question: {d['question']}\nAnswer: {' '.join(d['choices'])}" for d in ITEMS]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(base / "tokenizer.json"))
+    tok = byte_bpe(corpus, base / "tokenizer.json")
     out = {}
     for kind in ("transformer", "rwkv7", "gsa"):
         args, model = tiny(kind)

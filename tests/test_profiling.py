@@ -13,8 +13,8 @@ from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from flame.config import ProfilingConfig
 from flame.profiling import StepProfiler, busy_seconds, summary
-from tests.helpers import read_metrics, run_train, write_config
-from tests.test_config import exit_line
+from flame.train import main
+from tests.helpers import exit_line, read_metrics, run_train, write_config
 
 PROFILE_2_3 = ["--training.steps=4", "--profiling.enable=true", "--profiling.start_step=2", "--profiling.steps=2"]
 
@@ -142,5 +142,5 @@ def test_device_time_by_kind():
 def test_bad_profiling_value_is_one_line_exit_2(tmp_path, capsys, override, expected):
     path, dump = write_config(tmp_path)
     key = override[2:].split("=")[0]
-    assert exit_line(capsys, ["--config", str(path), override]) == f"config error: {path}: {key}: expected {expected}"
+    assert exit_line(capsys, main, ["--config", str(path), override]) == f"config error: {path}: {key}: expected {expected}"
     assert not dump.exists()

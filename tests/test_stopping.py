@@ -13,7 +13,7 @@ import pytest
 
 from flame.config import RunError
 from flame.run_lock import LOCK_NAME, lock_run_folder
-from tests.helpers import REPO, env, read_metrics, run_train, write_config
+from tests.helpers import REPO, env, last_step, run_train, wait_for_step, write_config
 
 # the tiny default config on the bundled sample text: one rank with its 2 data workers, a step every moment
 ARGS = ["--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
@@ -26,21 +26,6 @@ def launch(dump, *overrides):
            *overrides]
     return subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def last_step(dump: Path) -> int:
-    try:
-        return max((r["step"] for r in read_metrics(dump)), default=0)
-    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
-        return 0
-
-
-def wait_for_step(dump, proc, step, timeout=240):
-    start = time.time()
-    while last_step(dump) < step:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() - start < timeout, f"step {step} never came"
-        time.sleep(0.05)
 
 
 def run_processes(dump) -> set[int]:

@@ -13,18 +13,10 @@ from kernels.gsa import naive_gsa
 from kernels.gsa.step import recurrent_step as gsa_step
 from kernels.rwkv7 import naive_rwkv7
 from kernels.rwkv7.step import recurrent_step as rwkv7_step
+from tests.helpers import one_thread  # noqa: F401  (decoding is hundreds of tiny ops)
 
 VOCAB = 256
 MODELS = ["rwkv7", "gsa", "gsa_conv"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # decoding is hundreds of tiny ops: a second thread only adds overhead (10x on a busy 2-core machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(kind: str):

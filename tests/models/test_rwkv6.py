@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 import torch
 from tokenizers import Tokenizer
 
@@ -14,18 +13,9 @@ from flame.config import load_config
 from flame.convert_rwkv_lm import to_rwkv_lm_x060
 from flame.models import build_model, model_args_class
 from flame.optim import build_optimizer
-from tests.helpers import REPO
+from tests.helpers import REPO, one_thread  # noqa: F401  (one_thread: tiny ops, decoding above all)
 
 VOCAB = 256
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny ops (decoding above all): a second thread only adds overhead on a busy 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(vocab=VOCAB, hidden=64, layers=2, head_dim=16, seed=0, branches=True):
