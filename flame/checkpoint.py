@@ -1,22 +1,31 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), visible only once complete.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), visible only once complete, checksummed and finite.
 
-Layout: {dump_folder}/{checkpoint.folder}/step-N/ (DCP files). A save writes step-N.tmp/ and rank 0 renames it to
-step-N once DCP has written its metadata, which DCP does only after every rank's files are written; so a folder
-named step-N is always complete, and a .tmp folder is a save that never finished (ignored, removed at start-up).
+Layout: {dump_folder}/{checkpoint.folder}/step-N/ (DCP files, checksums.json). A save writes step-N.tmp/ and rank 0
+renames it to step-N once DCP has written its metadata, which DCP does only after every rank's files are written; so a
+folder named step-N is always complete, and a .tmp folder is a save that never finished (ignored, removed at start-up).
 Older checkpoints are pruned only after a newer one is complete.
 
-A complete folder can still be damaged later (a truncated copy, a bad disk): before resuming, its .metadata must read,
-every shard file it lists must exist and hold every item's bytes, and its pickled items must unpickle. Under
-checkpoint.resume = auto a damaged one is skipped for the previous one, and left as it is; a new save of its step
-keeps it aside as step-N.unreadable. (Tensor bytes carry no checksum: damage inside them goes unnoticed.)
+Nothing non-finite is saved: before each save every parameter and optimizer state is checked finite (one reduction on
+the device); a NaN or an infinity stops the run with one line naming the last good checkpoint instead.
+
+A complete folder can still be damaged later (a bad disk, a truncated copy, bytes overwritten): each rank records an
+xxh3 digest of every file it wrote (read back from the page cache in the save's own thread), and the coordinator
+writes them with the .metadata's own digest to checksums.json. Before resuming, the checksums must match (the ranks
+share the files out), the .metadata must read, every shard file it lists must exist and hold every item's bytes, and
+its pickled items must unpickle. Under checkpoint.resume = auto a damaged one is skipped for the previous one, and
+left as it is; a new save of its step keeps it aside as step-N.unreadable. A checkpoint without checksums.json
+(written before they were recorded) is checked for the rest and, once loaded, for finite values.
 
 On GPU the save is asynchronous: training blocks only while the state is copied into a cached CPU buffer; the
-files are written by a background thread over a gloo process group of their own.
+files are written (and hashed) by a background thread over a gloo process group of their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
+import os
 import random
 import re
 import shutil
@@ -29,8 +38,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.futures import Future as TorchFuture
 
 from flame.config import CheckpointConfig, Config, RunError
 
@@ -64,10 +75,84 @@ def root_cause(e: BaseException) -> str:
     return first_line(e)
 
 
-def unreadable_file(path: Path) -> str | None:
+CHECKSUMS = "checksums.json"
+"""In each checkpoint folder: {"xxh3_64": {file name: hex digest}} for every shard file and the .metadata."""
+
+
+def file_digest(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ChecksummedWriter(dcp.FileSystemWriter):
+    """DCP's file writer that records a digest of every file it writes: each rank hashes its own files once written
+    and hands the digests to the coordinator inside its write results; the coordinator strips them again (the
+    .metadata stays plain DCP), adds the .metadata's digest and writes checksums.json, all before the save returns."""
+
+    def write_data(self, plan, planner) -> TorchFuture:
+        results = super().write_data(plan, planner).wait()
+        digests = {name: file_digest(Path(self.path) / name)
+                   for name in {r.storage_data.relative_path for r in results}}
+        future: TorchFuture = TorchFuture()
+        future.set_result([dataclasses.replace(r, storage_data=(r.storage_data, digests[r.storage_data.relative_path]))
+                           for r in results])
+        return future
+
+    def finish(self, metadata, results) -> None:
+        digests = {info.relative_path: digest for rank in results for r in rank for info, digest in [r.storage_data]}
+        super().finish(metadata, [[dataclasses.replace(r, storage_data=r.storage_data[0]) for r in rank]
+                                  for rank in results])
+        digests[".metadata"] = file_digest(Path(self.path) / ".metadata")
+        tmp = Path(self.path) / f"{CHECKSUMS}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"xxh3_64": dict(sorted(digests.items()))}, f, indent=0)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(Path(self.path) / CHECKSUMS)
+
+
+def recorded_digests(path: Path) -> dict[str, str] | None:
+    """A checkpoint's checksums.json as {file name: digest}; None for a checkpoint written without one. Raises
+    ValueError (naming the file) when it does not read."""
+    file = path / CHECKSUMS
+    if not file.is_file():
+        return None
+    try:
+        digests = json.loads(file.read_text())["xxh3_64"]
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items()):
+            raise ValueError("not a map of file names to digests")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{file}: does not read ({first_line(e)})") from None
+    return digests
+
+
+def digest_problem(path: Path, name: str, digests: dict[str, str]) -> str | None:
+    if name not in digests:
+        return f"{path / name}: no checksum recorded for it in {CHECKSUMS}"
+    try:
+        got = file_digest(path / name)
+    except OSError as e:
+        return f"{path / name}: {first_line(e)}"
+    if got != digests[name]:
+        return f"{path / name}: checksum mismatch (xxh3 {got}, {CHECKSUMS} records {digests[name]})"
+    return None
+
+
+def unreadable_file(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """Why the checkpoint folder `path` cannot be loaded, as "file: reason", or None when it looks whole: its
-    .metadata reads, every shard file it lists exists and is long enough for each item stored in it, and each pickled
-    (non-tensor) item unpickles. Reads the metadata and the small pickled items only, never the tensors."""
+    checksums.json reads and the .metadata matches its digest, the .metadata reads, every shard file it lists exists
+    and is long enough for each item stored in it, each pickled (non-tensor) item unpickles, and the shard files match
+    their digests. share = (i, n): hash only every n-th shard file from the i-th (each rank its share); the small
+    checks run whole."""
+    try:
+        digests = recorded_digests(path)
+    except ValueError as e:
+        return str(e)
+    if digests is not None and (problem := digest_problem(path, ".metadata", digests)):
+        return problem
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a missing or damaged .metadata: anything unpickling garbage raises
@@ -92,7 +177,49 @@ def unreadable_file(path: Path) -> str | None:
                 torch.load(io.BytesIO(data), weights_only=False)  # as DCP's load does; our own files
             except Exception as e:
                 return f"{path / info.relative_path}: {index.fqn} does not unpickle ({first_line(e)})"
+    if digests is not None:
+        mine, ranks = share
+        for name in sorted(ends)[mine::ranks]:
+            if problem := digest_problem(path, name, digests):
+                return problem
     return None
+
+
+def some_of(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def nonfinite_tensors(state: dict) -> list[str]:
+    """Names of the floating-point tensors in the nested `state` (DTensors by their local shards) that hold a NaN or
+    an infinity on any rank; [] when all are finite. One flag a tensor, reduced on the device: one host sync (and one
+    all-reduce) when all are finite; the names are gathered only when some are not."""
+    named = []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            named.append((prefix, value.to_local() if hasattr(value, "to_local") else value))
+
+    walk("", state)
+    device = next((t.device for _, t in named if t.device.type != "cpu"), torch.device("cpu"))
+    flags = torch.stack([torch.isfinite(t).all().to(device) for _, t in named]) if named \
+        else torch.ones(0, dtype=torch.bool, device=device)
+    bad = (~flags).sum().to(torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    if bad.item() == 0:
+        return []
+    mine = [name for (name, _), ok in zip(named, flags.tolist()) if not ok]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(seen, mine)
+        mine = sorted({name for names in seen for name in names})
+    return mine
 
 
 class Checkpointer:
@@ -108,6 +235,8 @@ class Checkpointer:
         """Steps whose checkpoint was found damaged at start-up: never pruned, kept aside when saved again."""
         self.written: tuple[int, float] | None = None
         """Rank 0: (step, seconds from the start of its save until it was complete on disk) of the last save."""
+        self.good: int | None = None
+        """The newest checkpoint known whole and finite: the one loaded, or this run's last save once complete."""
         if use_async:
             self.pg = dist.new_group(backend="gloo")  # async DCP needs a CPU process group
             # on GPU, reuse one pinned CPU copy across saves; on CPU, DCP's default copy
@@ -123,6 +252,7 @@ class Checkpointer:
             if problem := self.agreed_problem(self.cfg.load_step):
                 raise RunError(f"checkpoint.load_step={self.cfg.load_step}: checkpoint {self.path(self.cfg.load_step)} "
                                f"cannot be loaded: {problem}")
+            self.say_verified(self.cfg.load_step)
             return self.cfg.load_step
         if self.cfg.resume != "auto" or not steps:
             return None
@@ -132,6 +262,7 @@ class Checkpointer:
             if damaged:
                 self.say(f"{damaged}; {'trying' if problem else 'resuming from'} step-{step} instead")
             if problem is None:
+                self.say_verified(step)
                 return step
             self.unreadable.add(step)
             damaged = f"checkpoint {self.path(step)} cannot be loaded (left as it is): {problem}"
@@ -141,12 +272,31 @@ class Checkpointer:
     def agreed_problem(self, step: int) -> str | None:
         """unreadable_file of a checkpoint as every rank sees it (the first problem any rank found), so that all ranks
         resume from the same step even where their nodes see different files."""
-        problem = unreadable_file(self.path(step))
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        start = time.perf_counter()
+        problem = unreadable_file(self.path(step), share=(self.rank, ranks))
+        self.verify_seconds = time.perf_counter() - start
         if dist.is_initialized() and dist.get_world_size() > 1:
             seen: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(seen, problem)
             problem = next((p for p in seen if p), None)
         return problem
+
+    def say_verified(self, step: int) -> None:
+        """The line that tells the operator what the start-up spent reading the checkpoint back."""
+        path = self.path(step)
+        if (path / CHECKSUMS).is_file():
+            gib = sum(p.stat().st_size for p in path.iterdir()) / 2**30
+            self.say(f"checkpoint step-{step}: checksums verified ({gib:.2f} GiB, {self.verify_seconds:.1f} s)")
+        else:
+            self.say(f"checkpoint step-{step}: written without checksums (an older flame): its files are not "
+                     "verified; its values are checked finite once loaded")
+
+    def good_line(self) -> str:
+        """Where to resume from after a failure: the newest checkpoint known whole and finite."""
+        if self.good is None:
+            return "no checkpoint of this run is known good"
+        return f"last good checkpoint: {self.path(self.good)}"
 
     def say(self, line: str) -> None:
         if self.rank == 0:
@@ -174,8 +324,12 @@ class Checkpointer:
         return time.perf_counter() - start
 
     def save(self, step: int, state: dict) -> float:
-        """Start (async) or do (sync) a save; returns the seconds training was blocked."""
+        """Start (async) or do (sync) a save; returns the seconds training was blocked. A state holding a NaN or an
+        infinity is not saved: RunError naming it and the last good checkpoint."""
         self.wait()  # one save in flight at a time
+        if bad := nonfinite_tensors(state):
+            raise RunError(f"step {step}: not saved: non-finite values in {some_of(bad)}; {self.good_line()}; "
+                           "lower the learning rate or check the data")
         start = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
@@ -183,8 +337,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier()
         if self.use_async:
-            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
-                                      async_stager=self.stager)
+            response = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=ChecksummedWriter(tmp),
+                                      process_group=self.pg, async_stager=self.stager)
             self.pending = getattr(response, "upload_completion", response)
             self.pending_step = step
             if self.rank == 0:  # rank 0's save returns after DCP wrote the metadata, i.e. after every rank
@@ -192,12 +346,13 @@ class Checkpointer:
                 self.pending.add_done_callback(lambda f: self._finalize_written(f, step, start))
         else:
             try:
-                dcp.save(state, checkpoint_id=str(tmp))
+                dcp.save(state, checkpoint_id=str(tmp), storage_writer=ChecksummedWriter(tmp))
             except (Exception, dcp.CheckpointException) as e:  # a full disk: every rank gets it (DCP gathers them)
                 raise self.write_error(step, e) from e
             dist.barrier()
             if self.rank == 0:
                 self._finalize(step, start)
+            self.good = step
         return time.perf_counter() - start
 
     def write_error(self, step: int, e: BaseException) -> RunError:
@@ -222,6 +377,7 @@ class Checkpointer:
             raise self.write_error(self.pending_step, e) from e
         self.finalized.wait()  # the future is done before its callback has renamed the folder
         self.pending = None
+        self.good = self.pending_step
         dist.barrier()
 
     def close(self) -> None:

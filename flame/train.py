@@ -31,7 +31,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from flame import stop_signals
 from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config,
-                              complete_steps, rng_state, set_rng_state)
+                              complete_steps, nonfinite_tensors, rng_state, set_rng_state, some_of)
 from flame.config import Config, ConfigError, RunError, load_config, to_toml
 from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
@@ -273,6 +273,10 @@ class Trainer:
                 self.print(f"stopped at step {self.step} on signal {signal.Signals(self.stop_signal).name}"
                            + ("; launch again to resume" if self.cfg.checkpoint.enable else ""))
                 return
+        if self.last_loss is not None and not math.isfinite(self.last_loss):
+            self.checkpointer.wait()
+            raise RunError(f"the run ended on a non-finite loss ({self.last_loss}) at step {self.step}, its update "
+                           f"skipped; {self.checkpointer.good_line()}")
 
     def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -301,9 +305,10 @@ class Trainer:
         self.print(f"step {self.step}: non-finite loss ({result.loss}) or grad norm ({result.grad_norm}): "
                    f"optimizer step skipped ({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.cfg.training.max_consecutive_skips:
+            self.checkpointer.wait()  # a save in flight is of finite weights: let it complete
             raise RunError(f"stopping: {self.consecutive_skips} consecutive steps had a non-finite loss or "
-                           "gradient norm (training.max_consecutive_skips). Lower the learning rate, check the "
-                           "data, or resume from an earlier checkpoint.")
+                           f"gradient norm (training.max_consecutive_skips); {self.checkpointer.good_line()}; lower "
+                           "the learning rate or check the data")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -371,6 +376,14 @@ class Trainer:
         if same_layout:
             state["rng"] = {f"rank_{self.rank}": rng_state()}
         self.checkpointer.load(step, state)
+        if bad := nonfinite_tensors({"model": state["model"], "optimizer": state["optimizer"]}):
+            earlier = [s for s in complete_steps(self.checkpointer.folder) if s < step]
+            raise RunError(f"checkpoint {self.checkpointer.path(step)} holds non-finite values ({some_of(bad)}): "
+                           "left as it is; "
+                           + (f"resume from an earlier one with --checkpoint.load_step={earlier[-1]} (complete: "
+                              f"{', '.join(f'step-{s}' for s in earlier)})" if earlier else
+                              "no earlier checkpoint: start a new run (--checkpoint.resume=never)"))
+        self.checkpointer.good = step
         # this run's optimizer settings (lr, betas, eps, weight decay) win over the saved param_groups' copies
         settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

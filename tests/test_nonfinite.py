@@ -96,3 +96,50 @@ def test_consecutive_skips_stop_the_run(tmp_path, monkeypatch, single_process):
         assert trainer.step == 2
     finally:
         trainer.close()
+
+
+def test_nonfinite_state_is_never_saved(tmp_path, single_process):
+    """A NaN in an optimizer moment (however it got there) stops the save with one line naming the tensor and the last
+    good checkpoint; nothing of the step is written and the good checkpoint stays."""
+    path, dump = write_config(tmp_path)
+    trainer = Trainer(load_config(path, ["--training.steps=4", "--checkpoint.interval=2",
+                                         "--checkpoint.keep_latest_k=1"]))
+    try:
+        for _ in range(2):
+            trainer.train_step([trainer.to_device(next(trainer.loader))])
+            trainer.step += 1
+        trainer.save_checkpoint()
+        trainer.train_step([trainer.to_device(next(trainer.loader))])
+        trainer.step += 1
+        name, param = next(iter(trainer.model.named_parameters()))
+        trainer.optimizer.state[param]["exp_avg"].to_local().view(-1)[0] = math.nan
+        with pytest.raises(RuntimeError) as raised:
+            trainer.save_checkpoint()
+        message = str(raised.value)
+        assert "\n" not in message and message.startswith(f"step 3: not saved: non-finite values in optimizer.state.{name}"
+                                                          ".exp_avg; ")
+        assert f"last good checkpoint: {dump}/checkpoint/step-2;" in message
+        assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("skips", [1, 2])  # the last step's loss is NaN / two in a row reach max_consecutive_skips
+def test_nonfinite_end_names_the_last_good_checkpoint(tmp_path, monkeypatch, single_process, skips):
+    path, dump = write_config(tmp_path)
+    inject_nan_on_calls(monkeypatch, {4} if skips == 1 else {3, 4})
+    trainer = Trainer(load_config(path, ["--training.steps=4", "--checkpoint.interval=2",
+                                         "--training.max_consecutive_skips=2"]))
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            trainer.train()
+    finally:
+        trainer.close()
+    message = str(raised.value)
+    assert "\n" not in message
+    if skips == 1:  # step 4's update was skipped: its checkpoint holds step 3's finite weights
+        assert message.startswith("the run ended on a non-finite loss (nan) at step 4, its update skipped; ")
+        assert message.endswith(f"last good checkpoint: {dump}/checkpoint/step-4")
+    else:
+        assert message.startswith("stopping: 2 consecutive steps had a non-finite loss")
+        assert f"last good checkpoint: {dump}/checkpoint/step-2;" in message
