@@ -54,6 +54,37 @@ def random_rwkv_lm_checkpoint(layers: int, width: int, vocab: int, seed: int, bl
     return sd
 
 
+X070_RANKS = {"w": 32, "a": 16, "v": 24, "g": 40}   # all different, so a mixed-up path has the wrong shape
+X070_LERP = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+
+
+def x070_checkpoint(layers=3, width=128, head=64, vocab=300, ranks=X070_RANKS, seed=0) -> dict:
+    """Random tensors under RWKV-LM's x070 names and shapes (as its RWKV class creates them, v0/v1/v2 in layer 0
+    included), every one nonzero and of a scale where every path moves the logits."""
+    C, H = width, width // head
+
+    def block(t, i):
+        b, att = f"blocks.{i}.", f"blocks.{i}.att."
+        sd = {att + name: t.rand(1, 1, C) for name in X070_LERP}
+        for x, mean in (("w", -1.0), ("a", 0.0), ("v", 0.0)):
+            sd[att + x + "0"] = t.normal(1, 1, C, std=0.5, mean=mean)
+        for x, r in ranks.items():
+            sd[att + x + "1"] = t.normal(C, r, std=0.1)
+            sd[att + x + "2"] = t.normal(r, C, std=0.1)
+        sd[att + "k_k"] = t.normal(1, 1, C, std=0.1, mean=0.7)
+        sd[att + "k_a"] = t.normal(1, 1, C, std=0.1, mean=1.0)
+        sd[att + "r_k"] = t.normal(H, head, std=0.1)
+        for name in ("receptance", "key", "value", "output"):
+            sd[f"{att}{name}.weight"] = t.normal(C, C, std=C ** -0.5)
+        sd.update(t.norm(att + "ln_x"))
+        sd[b + "ffn.x_k"] = t.rand(1, 1, C)
+        sd[b + "ffn.key.weight"] = t.normal(4 * C, C, std=C ** -0.5)
+        sd[b + "ffn.value.weight"] = t.normal(C, 4 * C, std=(4 * C) ** -0.5)
+        return sd
+
+    return random_rwkv_lm_checkpoint(layers, width, vocab, seed, block)
+
+
 def checkpoint_fixtures(make_checkpoint):
     """Module fixtures `pth` (make_checkpoint()'s tensors saved as an RWKV-LM .pth) and `exported` (that .pth
     converted into a flame export folder): `pth, exported = checkpoint_fixtures(rwkv_lm_checkpoint)`."""

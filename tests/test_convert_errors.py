@@ -15,14 +15,14 @@ import flame.export
 from flame.convert import main
 from flame.export import ModelState, write_export
 from flame.models import build_model, model_args_class
+from tests.convert_helpers import x070_checkpoint
 from tests.helpers import REPO, env
-from tests.test_convert_rwkv7 import rwkv_lm_checkpoint
 
 SMALL = {"layers": 2, "width": 64, "vocab": 50, "ranks": {"w": 8, "a": 8, "v": 8, "g": 8}}
 
 
 def save_pth(path, **changes):
-    sd = rwkv_lm_checkpoint(**SMALL)
+    sd = x070_checkpoint(**SMALL)
     for k, v in changes.items():
         if v is None:
             del sd[k]

@@ -14,41 +14,12 @@ from flame.convert import load_init_weights
 from flame.data.tokenizer import open_tokenizer
 from flame.export import WEIGHTS, read_export
 from flame.models import build_model
-from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
-                                   flame_logits_one_and_two_documents, random_rwkv_lm_checkpoint, relative,
-                                   rwkv_package_settings)
+from tests.convert_helpers import (X070_LERP, X070_RANKS, assert_rwkv_lm_round_trip, assert_same_export,
+                                   checkpoint_fixtures, convert, flame_logits_one_and_two_documents, relative,
+                                   rwkv_package_settings, x070_checkpoint)
 from tests.helpers import REPO, fla_logits_error, read_checkpoint, run_train, write_config
 
-LAYERS, WIDTH, HEAD, VOCAB = 3, 128, 64, 300
-RANKS = {"w": 32, "a": 16, "v": 24, "g": 40}   # all different, so a mixed-up path has the wrong shape
-LERP = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
-
-
-def rwkv_lm_checkpoint(layers=LAYERS, width=WIDTH, head=HEAD, vocab=VOCAB, ranks=RANKS, seed=0) -> dict:
-    """Random tensors under RWKV-LM's x070 names and shapes (as its RWKV class creates them, v0/v1/v2 in layer 0
-    included), every one nonzero and of a scale where every path moves the logits."""
-    C, H = width, width // head
-
-    def block(t, i):
-        b, att = f"blocks.{i}.", f"blocks.{i}.att."
-        sd = {att + name: t.rand(1, 1, C) for name in LERP}
-        for x, mean in (("w", -1.0), ("a", 0.0), ("v", 0.0)):
-            sd[att + x + "0"] = t.normal(1, 1, C, std=0.5, mean=mean)
-        for x, r in ranks.items():
-            sd[att + x + "1"] = t.normal(C, r, std=0.1)
-            sd[att + x + "2"] = t.normal(r, C, std=0.1)
-        sd[att + "k_k"] = t.normal(1, 1, C, std=0.1, mean=0.7)
-        sd[att + "k_a"] = t.normal(1, 1, C, std=0.1, mean=1.0)
-        sd[att + "r_k"] = t.normal(H, head, std=0.1)
-        for name in ("receptance", "key", "value", "output"):
-            sd[f"{att}{name}.weight"] = t.normal(C, C, std=C ** -0.5)
-        sd.update(t.norm(att + "ln_x"))
-        sd[b + "ffn.x_k"] = t.rand(1, 1, C)
-        sd[b + "ffn.key.weight"] = t.normal(4 * C, C, std=C ** -0.5)
-        sd[b + "ffn.value.weight"] = t.normal(C, 4 * C, std=(4 * C) ** -0.5)
-        return sd
-
-    return random_rwkv_lm_checkpoint(layers, width, vocab, seed, block)
+LAYERS, WIDTH, HEAD, VOCAB = 3, 128, 64, 300   # x070_checkpoint's default shape
 
 
 def fla_name_map(layers: int) -> dict[str, tuple[str, str]]:
@@ -63,7 +34,7 @@ def fla_name_map(layers: int) -> dict[str, tuple[str, str]]:
             m[f"{f}attn_norm.{p}"] = (f"{o}attn_norm.{p}", "same")
             m[f"{f}ffn_norm.{p}"] = (f"{o}ffn_norm.{p}", "same")
             m[f"{f}attn.g_norm.{p}"] = (f"{o}attn.ln_x.{p}", "same")
-        for j, name in enumerate(LERP):
+        for j, name in enumerate(X070_LERP):
             m[f"{f}attn.{name}"] = (f"{o}attn.lerp", f"row{j}")
         for name in ("k_k", "k_a", "r_k", "r_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"):
             m[f"{f}attn.{name}"] = (f"{o}attn.{name}", "same")
@@ -86,7 +57,7 @@ def held_by_fla(ours: dict, how: str, name: str) -> torch.Tensor:
     return t.t() if how == "t" else t
 
 
-pth, exported = checkpoint_fixtures(rwkv_lm_checkpoint)
+pth, exported = checkpoint_fixtures(x070_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +94,7 @@ def test_rwkv_lm_checkpoint_gives_the_rwkv_package_logits(exported, rwkv_package
     args = read_export(exported).args
     assert (args.num_layers, args.hidden_size, args.head_dim, args.vocab_size, args.ffn_mult) == \
         (LAYERS, WIDTH, HEAD, VOCAB, 4)
-    assert [args.lora(x) for x in ("decay", "a", "v", "gate")] == list(RANKS.values())
+    assert [args.lora(x) for x in ("decay", "a", "v", "gate")] == list(X070_RANKS.values())
 
 
 def test_flame_to_rwkv_lm_and_back_is_bit_exact(pth, exported, tmp_path):
@@ -208,7 +179,7 @@ def test_fla_weight_layouts(exported, tmp_path):
                                              (300, None)])
 def test_default_tokenizer_by_vocabulary(tmp_path, capsys, vocab, expected):
     pth = tmp_path / "m.pth"
-    torch.save(rwkv_lm_checkpoint(layers=2, width=64, vocab=vocab, ranks={"w": 8, "a": 8, "v": 8, "g": 8}), pth)
+    torch.save(x070_checkpoint(layers=2, width=64, vocab=vocab, ranks={"w": 8, "a": 8, "v": 8, "g": 8}), pth)
     convert(pth, tmp_path / "out")
     files = {p.name for p in (tmp_path / "out").iterdir()} - {"config.json", WEIGHTS}
     if expected is None:
