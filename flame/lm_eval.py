@@ -22,6 +22,10 @@ How the three request types run:
   task's `until` strings (cut off, as lm-eval expects) or after max_gen_toks tokens.
 Requests longer than the window: the Transformer drops context tokens from the left (lm-eval's convention); the
 recurrent models take them through the carried state (loglikelihood as rolling does, generation by prefill).
+
+Offline: lm-eval's own tasks (hellaswag, lambada_openai, ...) download their data from the Hugging Face Hub on first
+use (it stays in the datasets cache). Without network and without that cache the run stops with one line and exit
+code 2, naming the dataset and the local task that needs no network: docs/lm_eval_task (LOCAL_TASK).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from flame.export import ConvertError
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_WINDOW = 2048
+LOCAL_TASK = "--include_path docs/lm_eval_task --tasks flame_sample_mc"
+"""The task that runs without network on a fresh clone (docs/lm_eval_task/README.md)."""
 
 
 class LmEvalError(ValueError):
@@ -302,12 +308,38 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
+    except (ConnectionError, *dataset_missing_errors()) as e:  # a hub task's data, neither reachable nor cached
+        print(f"error: a task's data could not be loaded ({first_line(e)}): lm-eval's hub tasks download it on first "
+              f"use, which needs network (then it stays in the datasets cache); offline, run a local task: "
+              f"{LOCAL_TASK} (docs/lm_eval_task/README.md)", file=sys.stderr)
+        sys.exit(2)
     except (LmEvalError, EvalError, ConvertError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except ValueError as e:  # lm-eval's own complaints (a task not found) and weights that do not fit the model
-        print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         sys.exit(2)
+
+
+def first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def dataset_missing_errors() -> tuple[type[Exception], ...]:
+    """What datasets and huggingface_hub raise for hub data that is neither cached nor reachable (offline mode, a
+    file missing from the local cache), beside ConnectionError."""
+    errors = []
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        errors.append(LocalEntryNotFoundError)
+    except ImportError:
+        pass
+    try:
+        from datasets.exceptions import DatasetNotFoundError
+        errors.append(DatasetNotFoundError)
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 if __name__ == "__main__":
