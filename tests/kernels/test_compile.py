@@ -4,15 +4,12 @@ the interpreter runs the kernels but never lowers them. The builds are recorded 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels.offline_build import REPO, in_fresh_process, skip_without_cuda_backend
 
 # beside the benchmark shapes (each shape regime): the largest tiles and K != V
 EXTRA_SHAPES = {"rwkv7": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
@@ -20,22 +17,6 @@ EXTRA_SHAPES = {"rwkv7": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4
                 "gsa": [(8, 4096, 4, 256, 128), (2, 16384, 4, 256, 128), (2, 4096, 4, 64, 32)],
                 "rwkv6": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
                           (2, 16384, 16, 128, 32)]}
-
-
-def in_fresh_process(code: str):
-    """Run `code` (printing one JSON line last) without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def skip_without_cuda_backend():
-    pytest.importorskip("triton")
-    why = in_fresh_process("import json; from kernels.sm90 import unavailable; print(json.dumps(unavailable()))")
-    if why:
-        pytest.skip(f"this Triton cannot compile for CUDA: {why}")
 
 
 @pytest.mark.parametrize("op", ["rwkv7", "gsa", "rwkv6"])

@@ -10,8 +10,6 @@ Metric: RMSE(x - ref) / RMS(ref) (tests/kernels/common.py).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from kernels.rwkv7_key.op import Settings as KeySettings
 from kernels.rwkv7_out import rwkv7_out
 from kernels.rwkv7_out.op import Settings as OutSettings
 from tests.kernels.common import assert_close, opcheck
+from tests.kernels.fused import outputs_and_grads, reference, skip_without_interpreter
 
 EPS_OUT = 64e-5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
@@ -71,39 +70,8 @@ def out_inputs(B, T, H, N, dtype, gen):
     return [x.to(dtype) for x in (o, r, k, v)] + [r_k, ln_w, ln_b, g.to(dtype)]
 
 
-def outputs_and_grads(fn, xs, seed):
-    """fn's outputs and the gradients of every input for fixed random cotangents (rounded to each output's dtype)."""
-    xs = [x.detach().clone().requires_grad_(True) for x in xs]
-    outs = fn(*xs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    gen = torch.Generator().manual_seed(seed)
-    cots = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
-    grads = torch.autograd.grad(outs, xs, cots)
-    return [o.detach() for o in outs] + list(grads)
-
-
-def reference(ref_fn, xs, seed, *args):
-    """ref_fn in fp64 on the same (rounded) inputs, cotangents as outputs_and_grads draws them, rounded as the op's
-    outputs are (each output's dtype follows k or g, i.e. xs[0] or xs[-1])."""
-    dtype = xs[0].dtype
-    xs64 = [x.double().requires_grad_(True) for x in xs]
-    outs = ref_fn(*xs64, *args)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    gen = torch.Generator().manual_seed(seed)
-    cots = [torch.randn(o.shape, generator=gen).to(o.device, dtype).double() for o in outs]
-    grads = torch.autograd.grad(outs, xs64, cots)
-    return [o.detach() for o in outs] + list(grads)
-
-
 def backend_param():
     return pytest.mark.parametrize("backend", ["triton", "torch"])
-
-
-def skip_without_interpreter(backend):
-    if backend == "triton" and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1"):
-        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
-    if backend == "triton":
-        pytest.importorskip("triton")
 
 
 SHAPES = pytest.mark.parametrize("B,N", [(2, 16), (1, 64)])

@@ -15,7 +15,8 @@ import torch
 from kernels.silu_rms_norm import silu_rms_norm
 from kernels.silu_rms_norm.op import Settings
 from tests.kernels.common import assert_close, opcheck
-from tests.kernels.test_rwkv7_glue import outputs_and_grads, reference, skip_without_interpreter
+from tests.kernels.fused import outputs_and_grads, reference, skip_without_interpreter
+from tests.kernels.offline_build import in_fresh_process, skip_without_cuda_backend
 
 EPS = 1e-5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
@@ -91,7 +92,6 @@ def test_gpu_model_shape_bf16():
 
 def test_kernels_compile_for_h100_without_spills():
     # offline sm_90 builds of the launches at GSA 0.6B's shape (C = 1280, a 2048-channel tile) and at C = 2048
-    from tests.kernels.test_compile import in_fresh_process, skip_without_cuda_backend
     skip_without_cuda_backend()
     found = in_fresh_process(
         "import json, torch\nfrom kernels import sm90\nfrom kernels.launch import record, distinct\n"
