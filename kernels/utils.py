@@ -39,6 +39,17 @@ def scan_tile(D: int, sequences_x_heads: int) -> int:
     return min(16, full)
 
 
+def check_head_sizes(op: str, sizes: dict[str, int], limits: dict[str, int]) -> None:
+    """One clear line, before anything launches, where a head size (K, V, slots...) is outside what the op's Triton
+    kernel builds: each limited size from 1 to its limit (the largest the sm_90 compile fits), any other from 1."""
+    if all(1 <= x <= limits.get(n, x) for n, x in sizes.items()):
+        return
+    given = ", ".join(f"{n}={x}" for n, x in sizes.items())
+    supported = ", ".join(f"{n} from 1 to {limits[n]}" if n in limits else f"any {n} >= 1" for n in sizes)
+    raise ValueError(f"{op}: head size {given} is not supported by the Triton kernel ({supported}); "
+                     "backend='torch' takes any")
+
+
 def as_varlen(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
     """Every call becomes a packed batch: B equal-length rows are B sequences of length T (int32 offsets)."""
     if cu_seqlens is None:

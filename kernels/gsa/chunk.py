@@ -24,7 +24,8 @@ import torch
 from kernels.gsa.torch_chunk import chunk_gsa_torch
 from kernels.launch import launch, register_fake
 from kernels.settings import from_text, to_text
-from kernels.utils import as_varlen, chunk_count, chunk_tables, is_interpreting, next_pow2, scan_tile
+from kernels.utils import (as_varlen, check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
+                           scan_tile)
 
 try:
     import triton
@@ -380,11 +381,16 @@ register_fake(chunk_gsa_op, _fake_forward, _forward_op)
 register_fake(chunk_gsa_bwd_op, _fake_backward, _backward_op)
 
 
+MAX_SLOTS = 256
+"""Most slots of the Triton kernel: one tile holds all M of a row (the softmax needs them); K and V are tiled."""
+
+
 def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None,
                       projection: tuple[torch.Tensor, float] | None = None):
     st = settings or Settings()
     B, T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
+    check_head_sizes("chunk_gsa", {"K": K, "V": V, "M": M}, {"M": MAX_SLOTS})
     if cu_seqlens is not None:
         assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
     BT = st.chunk_len(M)

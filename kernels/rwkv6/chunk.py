@@ -25,7 +25,7 @@ import torch
 from kernels.launch import launch, register_fake
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
 from kernels.settings import from_text, to_text
-from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
+from kernels.utils import as_varlen, check_head_sizes, chunk_count, chunk_tables, next_pow2, scan_tile
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class Settings:
     operands with fp32 accumulation, as FLA's kernels do: about 1.1x faster than fp32 operands at B=8 T=4096, at about
     1.5x their error against an fp64 reference (README.md). The scans' state products stay fp32."""
     chunk_bv: int = 128
-    """V tile of the per-chunk kernels (_fwd_out, _bwd_chunk): all of V at once up to 128; a loop over V tiles makes
-    _bwd_chunk spill (4.7 KB per thread at K = V = 128 in tiles of 64)."""
+    """Widest V tile of the per-chunk kernels (_fwd_out, _bwd_chunk; chunk_tile): all of V at once up to 128; a loop
+    over V tiles makes _bwd_chunk spill (4.7 KB per thread at K = V = 128 in tiles of 64)."""
     scan_bv: int | None = None
     """V tile of the sequence scans; None: kernels.utils.scan_tile, the widest tile that still gives about one
     program per SM."""
@@ -82,8 +82,14 @@ class Settings:
         """Whether the per-chunk products take bf16 operands for inputs like r."""
         return self.bf16_products and r.dtype == torch.bfloat16
 
-    def chunk_tile(self, V: int) -> int:
-        return min(self.chunk_bv, max(16, next_pow2(V)))
+    def chunk_tile(self, K: int, V: int) -> int:
+        """V tile of the per-chunk kernels: all of V at once where the [K, V] state tiles are small; else a loop over
+        tiles of at most 8192 / K columns, since a looped tile is double-buffered (at K = V = 256 in tiles of 128,
+        _bwd_chunk would need 545 KB of shared memory, 137 KB in tiles of 32; an H100 block has 227)."""
+        BK, whole = max(16, next_pow2(K)), max(16, next_pow2(V))
+        if whole <= self.chunk_bv and BK * whole <= 16384:
+            return whole
+        return max(16, min(self.chunk_bv, 8192 // BK))
 
     def blocked(self, sequences: int, H: int, V: int) -> bool:
         """Whether the scans run blocked for this shape."""
@@ -138,7 +144,7 @@ def _fwd(r, k, v, w, u, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     o = torch.empty_like(v)
     a = torch.empty(NT, H, BT, BT, device=r.device, dtype=torch.float32)
     launch(_fwd_out, (NT, H), r, k, v, w, u, h, o, a, cu, chunk_index, scale, H=H, K=K, V=V, BT=BT, BK=BK,
-           BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec, num_warps=s.out_warps)
+           BV=s.chunk_tile(K, V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec, num_warps=s.out_warps)
     return o, ht, h, a
 
 
@@ -154,7 +160,7 @@ def _bwd(r, k, v, w, u, scale, h0, cu, h, a, tables, blocks, do, dht, s: Setting
     # each chunk's share of du (spare chunks of a packed batch write nothing: zeros)
     du = torch.zeros(NT, H, K, device=r.device, dtype=torch.float32)
     launch(_bwd_chunk, (NT, H), r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du, scale, H=H, K=K,
-           V=V, BT=BT, BK=BK, BV=s.chunk_tile(V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec,
+           V=V, BT=BT, BK=BK, BV=s.chunk_tile(K, V), LEVELS=BT.bit_length() - 1, BF16=s.bf16(r), PREC=s.prec,
            num_warps=s.bwd_warps)
     return dr, dk, dv, dw, du.sum(0).to(u.dtype), dh0
 
@@ -234,6 +240,10 @@ register_fake(chunk_rwkv6_op, _fake_forward, _forward_op)
 register_fake(chunk_rwkv6_bwd_op, _fake_backward, _backward_op)
 
 
+MAX_K = 256
+"""Largest key head size of the Triton kernel: its per-chunk kernels hold whole [chunk, K] tiles (V is tiled)."""
+
+
 def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, settings: str):
     B, T, H, K = r.shape
     V = v.shape[-1]
@@ -254,10 +264,12 @@ def chunk_rwkv6(r, k, v, w, u, scale: float | None = None, initial_state=None, o
                 cu_seqlens=None, backend: str | None = None, settings: Settings | None = None):
     """RWKV-6 over packed or batched sequences: returns (o [B, T, H, V] in v's dtype, final state or None).
     `settings` tunes the Triton kernel (None: Settings())."""
-    if scale is None:
-        scale = r.shape[-1] ** -0.5
     if backend is None:
         backend = "triton" if r.is_cuda and triton is not None else "torch"
+    if backend == "triton":
+        check_head_sizes("chunk_rwkv6", {"K": r.shape[-1], "V": v.shape[-1]}, {"K": MAX_K})
+    if scale is None:
+        scale = r.shape[-1] ** -0.5
     if backend == "torch":
         return chunk_rwkv6_torch(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens)
     if backend != "triton":

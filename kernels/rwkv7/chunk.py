@@ -26,7 +26,7 @@ from kernels.launch import launch, register_fake
 from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import from_text, to_text
-from kernels.utils import as_varlen, chunk_count, chunk_tables, next_pow2, scan_tile
+from kernels.utils import as_varlen, check_head_sizes, chunk_count, chunk_tables, next_pow2, scan_tile
 
 
 BWD_WARPS = 4
@@ -280,6 +280,11 @@ register_fake(chunk_rwkv7_op, _fake_forward, _forward_op)
 register_fake(chunk_rwkv7_bwd_op, _fake_backward, _backward_op)
 
 
+MAX_K = 128
+"""Largest key head size of the Triton kernel (V is tiled): at K = 256 the blocked scans' block maps need more shared
+memory than an H100 block has (811 KB for _block_scan, sm_90 compile)."""
+
+
 def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, w_bias,
                         settings: str):
     B, T, H, K = r.shape
@@ -306,6 +311,8 @@ def chunk_rwkv7(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output
     Settings())."""
     if backend is None:
         backend = "triton" if r.is_cuda and triton is not None else "torch"
+    if backend == "triton":
+        check_head_sizes("chunk_rwkv7", {"K": r.shape[-1], "V": v.shape[-1]}, {"K": MAX_K})
     if backend == "torch":
         if w_bias is not None:
             w = log_decay(w, w_bias)

@@ -144,3 +144,11 @@ def test_gpu_matches_chunk_gsa_on_the_feature_maps(B, T, H, D, M):
                         ("dq", "dk", "dv", "df"))
     compiled = run(torch.compile(lambda t: chunk_gsa_from_projection(t, H, D, M, NORMALIZER)), y)
     common.assert_close(compiled, ref, GPU_TOL, "compiled", ("o", "dy"))
+
+
+def test_unsupported_slots_refused_in_one_line():
+    # the model's call checks as chunk_gsa does, before anything launches (meta tensors: no kernel could run)
+    H, D, M = 2, 64, 512
+    y = torch.empty(1, 8, 3 * H * D + H * M, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^chunk_gsa: head size K=64, V=64, M=512 is not supported [^\n]*$"):
+        chunk_gsa_from_projection(y, H, D, M, 8.0, backend="triton")

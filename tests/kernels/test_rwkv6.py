@@ -135,6 +135,24 @@ def test_triton_interpreter_initial_state_v_tiles(K, V, scan_bv, chunk_bv, inter
     assert_close(got, naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V} scan_bv={scan_bv} chunk_bv={chunk_bv}")
 
 
+@pytest.mark.parametrize("K,V", [(256, 256), (128, 256)])
+def test_triton_interpreter_wide_heads(K, V, interp):
+    # K x V past 128 x 128: the per-chunk kernels loop over narrower V tiles (Settings.chunk_tile), so that their
+    # shared memory fits an H100 block (the sm_90 compile test builds these)
+    assert Settings().chunk_tile(K, V) == 8192 // K
+    xs, h0 = make_inputs(1, 20, 1, K, V, seed=K + V)
+    assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V}")
+
+
+@pytest.mark.parametrize("K,V", [(512, 64), (0, 64), (64, 0)])
+def test_unsupported_head_sizes_refused_in_one_line(K, V):
+    # before anything launches (meta tensors: no kernel could run), one line naming the sizes and what is supported
+    xs = [torch.empty(1, 8, 1, D, device="meta") for D in (K, K, V, K)] + [torch.empty(1, K, device="meta")]
+    with pytest.raises(ValueError, match=rf"^chunk_rwkv6: head size K={K}, V={V} is not supported .*K from 1 to "
+                                         r"256, any V >= 1[^\n]*$"):
+        chunk_rwkv6(*xs, backend="triton")
+
+
 @pytest.mark.parametrize("decay", ["model", "stress"])
 def test_triton_interpreter_bf16_products(decay, interp):
     common.interpreter_bf16_products(OP, interp, Settings, decay)
@@ -203,6 +221,12 @@ def test_gpu_varlen_many_sequences():
 @pytest.mark.parametrize("K", [32, 64, 128])
 @pytest.mark.parametrize("V", [32, 64, 128])
 def test_gpu_initial_state_kv_pairs(K, V):
+    common.gpu_initial_state_kv_pairs(OP, K, V)
+
+
+@gpu
+@pytest.mark.parametrize("K,V", [(256, 256), (128, 256), (256, 64)])
+def test_gpu_wide_heads(K, V):
     common.gpu_initial_state_kv_pairs(OP, K, V)
 
 

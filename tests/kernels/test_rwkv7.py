@@ -129,6 +129,15 @@ def test_triton_interpreter_stress_decays(interp):
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
+@pytest.mark.parametrize("K,V", [(256, 64), (0, 64), (64, 0)])
+def test_unsupported_head_sizes_refused_in_one_line(K, V):
+    # before anything launches (meta tensors: no kernel could run), one line naming the sizes and what is supported
+    xs = [torch.empty(1, 8, 1, D, device="meta") for D in (K, K, K, V, K, K)]
+    with pytest.raises(ValueError, match=rf"^chunk_rwkv7: head size K={K}, V={V} is not supported .*K from 1 to "
+                                         r"128, any V >= 1[^\n]*$"):
+        chunk_rwkv7(*xs, backend="triton")
+
+
 @pytest.mark.parametrize("decay", ["model", "stress"])
 def test_triton_interpreter_bf16_products(decay, interp):
     # (with bf16 products, h and U are also kept for the backward in bf16)
