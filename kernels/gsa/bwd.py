@@ -98,8 +98,8 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     dsi = diag_of(A1, rows, cols)[:, None] * dZr + diag_of(D2, rows, cols)[:, None] * P
     for lvl in tl.static_range(LEVELS):
         e_row, e_col, pair = level(b_g, rows, cols, BT >> lvl)
-        dsi += e_col * (mm(tl.trans(tl.where(pair, A1, 0.)), dZr * e_row, BF16, PREC)
-                        + mm(tl.trans(tl.where(pair, D2, 0.)), P * e_row, BF16, PREC))
+        dsi += e_col * (tl.dot(tl.trans(tl.where(pair, A1, 0.)), dZr * e_row, input_precision=PREC)
+                        + tl.dot(tl.trans(tl.where(pair, D2, 0.)), P * e_row, input_precision=PREC))
     store_rows(dsi_out, dsi, tok, i_h, H, M, cm, m_t, m_m)
 
 

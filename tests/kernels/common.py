@@ -40,9 +40,13 @@ def opcheck(op, args) -> None:
 
 def log_decays(shape, kind: str, gen: torch.Generator) -> torch.Tensor:
     """Per-step log decays (<= 0) beyond the model's range: "wide" 3e-4 .. 4.5 per step; "stress" -1e-6 (decay
-    ~ 1) down to -50, mixed in every row and along time."""
+    ~ 1) down to -50, mixed in every row and along time; "extreme" -50 .. -1, most near -50."""
     if kind == "wide":
         return -torch.exp(torch.empty(shape).uniform_(-8, 1.5, generator=gen))
+    if kind == "extreme":   # near -50 (most steps within a few of it), a tail up to -1 so that some pairs of steps
+        # still reach each other (at -50 throughout, every gradient through the decay is ~e^-50 of the terms that
+        # cancel in it, and no fp32 kernel can give it to a relative error)
+        return -50 + 49 * torch.rand(shape, generator=gen) ** 4
     if kind == "stress":
         w = -torch.exp(torch.empty(shape).uniform_(math.log(1e-6), math.log(50.0), generator=gen))
         w[:, ::7] = -1e-6

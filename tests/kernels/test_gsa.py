@@ -272,6 +272,26 @@ def test_triton_interpreter_bf16_products_stress(interp):
     assert max(common.rel_rmse(g, f) for g, f in zip(got, fp32_products) if f is not None) > 1e-3
 
 
+@pytest.mark.parametrize("K,V,M", [(64, 64, 512), (64, 64, 0), (0, 64, 64)])
+def test_unsupported_head_sizes_refused_in_one_line(K, V, M):
+    # before anything launches (meta tensors: no kernel could run), one line naming the sizes and what is supported
+    xs = [torch.empty(1, 8, 1, D, device="meta") for D in (K, K, V, M, M)]
+    with pytest.raises(ValueError, match=rf"^chunk_gsa: head size K={K}, V={V}, M={M} is not supported .*any K >= 1, "
+                                         r"any V >= 1, M from 1 to 256\)[^\n]*$"):
+        chunk_gsa(*xs, scale=1.0, backend="triton")
+
+
+def test_triton_interpreter_bf16_gate_gradient_extreme_decays(interp):
+    # log gates near -50, no initial state: dg is what is left where each pair's decay enters row t (+G_t, through
+    # the logits and p) and row s (-G_s, through ds) and cancels. ds's within-chunk levels take fp32 operands as the
+    # logits' do: with bf16 ones (the interpreter rounds them as the GPU does) dg was 9.9e-3 off fp64 here, 1.8e-3 now
+    xs, _ = make_inputs(1, 64, 1, 32, 64, 64, dtype=torch.bfloat16, decay="extreme", seed=96)
+    ref = run(naive_gsa, [x.double() for x in xs], None, 1.0)
+    got = run(interp, xs, None, 1.0)
+    assert_close(got, ref, GPU_TOL, "bf16, extreme gates")
+    assert common.rel_rmse(got[NAMES.index("dg")], ref[NAMES.index("dg")]) < 3e-3
+
+
 @pytest.mark.parametrize("v_scale", [1.0, 1e-30, 1e30])
 def test_triton_interpreter_fp16_states(v_scale, interp):
     # bf16 data: the chunk states between kernels travel as fp16 with a power of two per slot row and D tile
@@ -295,6 +315,7 @@ def test_triton_interpreter_fp16_states(v_scale, interp):
 # ---------------------------------------------------------------- GPU: the Triton kernel in bf16
 
 gpu = pytest.mark.gpu
+EXTREME_TOL = 1e-2   # bf16 on the GPU under log gates near -50, every gradient (the gate's is the largest)
 
 
 def gpu_ref(xs, h0, scale, cu=None):
@@ -346,6 +367,16 @@ def test_gpu_varlen_many_sequences():
 def test_gpu_stress_decays_t4096(dtype):
     xs, h0 = make_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=dtype, decay="stress", seed=9)
     assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"stress {dtype}")
+
+
+@gpu
+@pytest.mark.parametrize("T", [64, 100, 257, 1000])
+@pytest.mark.parametrize("K", [32, 64])
+def test_gpu_extreme_decays_no_initial_state(T, K):
+    # log gates near -50: the gate's gradient is what is left of terms that cancel (every pair's decay reaches row t
+    # with +G_t and row s with -G_s), so it is the first to show products that round the two sides apart
+    xs, _ = make_inputs(2, T, 2, K, 64, 64, device="cuda", dtype=torch.bfloat16, decay="extreme", seed=T + K)
+    assert_close(run(chunk_gsa, xs, None, 1.0), naive(xs, None, 1.0), EXTREME_TOL, f"extreme {T=} {K=}")
 
 
 @gpu
