@@ -14,8 +14,8 @@ Chunk-start states are recomputed by the forward's _state_scan (between the pass
               forms no pairwise decay, only streams the states and the features.
 The per-chunk kernels' decays are span sums (fwd.span_sums: products with a 0/1 matrix). For bf16 inputs the
 products of features and pair matrices take bf16 operands with fp32 accumulation (BF16); those that carry the
-logits' gradient (dP's gated sum, dA1's levels), those with a state or state gradient, and the reverse scans' keep
-fp32 operands.
+logits' gradient (dP's gated sum, dA1's levels), ds's levels (the gate's gradient cancels them against the logits'),
+those with a state or state gradient, and the reverse scans' keep fp32 operands.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     """Everything of the backward that needs the pairwise decays within a chunk, apart from the states: the pair
     matrix dA1 (dZr against s) and ds's part within the chunk,
     sum_{t>=s} e^{G_t - G_s} (A1[t, s] dZr_t + D2[t, s] P_t) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by
-    _bwd_dz). g token-major: on the slot-major copy this kernel spills."""
+    _bwd_dz). g token-major: on the slot-major copy this kernel spills. ds's levels take fp32 operands: dg cancels
+    each pair's share here (-G_s) against the logits' (+G_t, fp32 operands too), and bf16 ones rounded the two apart
+    (dg 1e-2 off fp64 under log gates near -50, 2.6e-3 with these)."""
     if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
         return
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
