@@ -1,5 +1,7 @@
-"""Kernel benchmark of every chunked op (kernels/ops.py): ours beside FLA's (when installed) and causal SDPA flash
-attention, same run, same GPU.
+"""Kernel benchmark of every chunked op (kernels/ops.py): ours called as our model's layer calls it in training
+(RWKV-7: the decay's logits with w_bias; GSA: chunk_gsa_from_projection on the stacked projection; the call is printed
+first), beside FLA's op called as FLA's layer calls it (when installed) and causal SDPA flash attention, same run,
+same GPU.
 
     python benchmarks/bench_kernels.py                       # both ops: median ms, tokens/s, peak memory, ratio to FLA
     python benchmarks/bench_kernels.py --op gsa --kernels ours
@@ -85,7 +87,7 @@ def profile(fn, inputs, label):
     print(f"   {sum(ms for _, ms, _ in rows):8.3f} ms  on the GPU in all ({len(rows)} kernels)")
 
 
-def sdpa(q, k, v, *_):
+def sdpa(q, k, v):
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
@@ -106,20 +108,23 @@ def bench_op(op, settings, args) -> list[str]:
     fla, why = None, "--kernels ours"
     if args.kernels == "all":
         try:
-            fla = op.fla()
+            fla = op.fla(op.shapes[0])
         except Exception as e:  # noqa: BLE001  (missing, or broken against this torch/triton)
             why = f"{type(e).__name__}: {e}"
     if fla is None:
         print(f"note: FLA's {op.name} rows skipped ({why})")
-    ours_name, fla_name = f"ours chunk_{op.name}", f"FLA 0.6.0 chunk_{op.name}"
-    cands = [(ours_name, lambda *xs: op.ours(xs, settings))] + ([(fla_name, fla)] if fla else []) \
-        + ([("SDPA flash (causal)", sdpa)] if args.kernels == "all" else [])
+    print(f"{op.name}: ours timed as {op.model_call}")
+    ours_name, fla_name = f"ours {op.name} (model call)", f"FLA 0.6.0 chunk_{op.name}"
     shapes = {"all": op.shapes, "first": op.shapes[:1], "last": op.shapes[-1:]}[args.shapes]
     if args.shape:
         shapes = [args.shape]
     rows = []
     for shape in shapes:
         inputs = op.make_inputs(*shape)
+        cands = [(ours_name, lambda *xs, shape=shape: op.ours(shape, xs, settings))] \
+            + ([(fla_name, op.fla(shape))] if fla else []) \
+            + ([("SDPA flash (causal)", lambda *xs, shape=shape: sdpa(*op.qkv(shape, xs)))]
+               if args.kernels == "all" else [])
         label = " ".join(f"{n}={x}" for n, x in zip(op.shape_names, shape))
         res = {}
         for name, fn in cands:

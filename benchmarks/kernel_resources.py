@@ -1,7 +1,8 @@
 """Registers, stack bytes (spilled registers) per thread, shared memory per block and SASS instructions (in all, and
-in the largest loop body, a sequential scan's step) of every kernel build our ops launch at their benchmark shapes
-(kernels/ops.py), compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no GPU needed, so a kernel
-change can be judged before a device call. The builds are recorded from the launch code (kernels/launch.py).
+in the largest loop body, a sequential scan's step) of every kernel build our ops launch at their benchmark shapes,
+called as the models call them (kernels/ops.py), compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no
+GPU needed, so a kernel change can be judged before a device call. The builds are recorded from the launch code
+(kernels/launch.py).
 
     python benchmarks/kernel_resources.py [--op rwkv7|gsa] [--set rwkv7.prep_maxnreg=128]
 """

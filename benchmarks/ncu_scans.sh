@@ -18,7 +18,7 @@ from kernels.ops import OPS
 for op in OPS.values():
     shape = (($B, $T) + op.shapes[0][2:])
     xs = [x.requires_grad_(True) for x in op.make_inputs(*shape)]
-    op.ours(xs).sum().backward()
+    op.ours(shape, xs).sum().backward()
 torch.cuda.synchronize()
 PY
 python3 /tmp/one_step.py || exit 1   # compile (and autotune) outside the profiler

@@ -3,7 +3,8 @@ lowers them, so this is what catches layouts, shapes and shared memory that only
 reports registers and spills before a device call (benchmarks/kernel_resources.py).
 
 The builds come from the launch code itself (kernels.launch.record): an op's forward and backward run on meta
-tensors at the benchmark shapes (kernels.ops), and each distinct launch is compiled as the GPU would compile it.
+tensors at the benchmark shapes, called as the models call them (kernels.ops), and each distinct launch is compiled
+as the GPU would compile it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def op_launches(op, settings=None) -> dict[str, Launch]:
     with record() as launches:
         for shape in op.shapes:
             xs = [x.requires_grad_(x.is_floating_point()) for x in op.make_inputs(*shape, device="meta")]
-            out = op.ours(xs, settings)
+            out = op.ours(shape, xs, settings)
             torch.autograd.backward(out, [torch.ones_like(out)])
     return distinct(launches)
 
