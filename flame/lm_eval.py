@@ -25,13 +25,14 @@ recurrent models take them through the carried state (loglikelihood as rolling d
 
 Offline: lm-eval's own tasks (hellaswag, lambada_openai, ...) download their data from the Hugging Face Hub on first
 use (it stays in the datasets cache). Without network and without that cache the run stops with one line and exit
-code 2, naming the dataset and the local task that needs no network: docs/lm_eval_task (LOCAL_TASK).
+code 2, naming the dataset and the local task that needs no network: docs/lm_eval_task (LOCAL_TASK_DIR).
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -54,8 +55,9 @@ from flame.export import ConvertError
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_WINDOW = 2048
-LOCAL_TASK = "--include_path docs/lm_eval_task --tasks flame_sample_mc"
-"""The task that runs without network on a fresh clone (docs/lm_eval_task/README.md)."""
+LOCAL_TASK_DIR = Path(__file__).resolve().parents[1] / "docs" / "lm_eval_task"
+"""The task that runs without network on a fresh clone (its README.md), named by its full path in messages so that
+the command works from any folder."""
 
 
 class LmEvalError(ValueError):
@@ -311,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ConnectionError, *dataset_missing_errors()) as e:  # a hub task's data, neither reachable nor cached
         print(f"error: a task's data could not be loaded ({first_line(e)}): lm-eval's hub tasks download it on first "
               f"use, which needs network (then it stays in the datasets cache); offline, run a local task: "
-              f"{LOCAL_TASK} (docs/lm_eval_task/README.md)", file=sys.stderr)
+              f"--include_path {LOCAL_TASK_DIR} --tasks flame_sample_mc ({LOCAL_TASK_DIR / 'README.md'})",
+              file=sys.stderr)
         sys.exit(2)
     except (LmEvalError, EvalError, ConvertError) as e:
         print(f"error: {e}", file=sys.stderr)

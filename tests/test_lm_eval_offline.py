@@ -89,4 +89,4 @@ def test_a_hub_task_offline_is_one_line_and_exit_2(model, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0], proc.stderr[-3000:]
     assert "flame-tests/not-cached-anywhere" in errors[0]
-    assert "--include_path docs/lm_eval_task --tasks flame_sample_mc" in errors[0]
+    assert f"--include_path {TASK_DIR} --tasks flame_sample_mc" in errors[0]
