@@ -11,12 +11,14 @@ import pytest
 
 from tests.kernels.offline_build import REPO, in_fresh_process, skip_without_cuda_backend
 
-# beside the benchmark shapes (each shape regime): the largest tiles and K != V
+# beside the benchmark shapes (each shape regime): the largest head sizes each op's call accepts (MAX_K, MAX_SLOTS:
+# larger ones are refused before anything launches) and K != V
 EXTRA_SHAPES = {"rwkv7": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
                           (2, 16384, 16, 32, 128)],
-                "gsa": [(8, 4096, 4, 256, 128), (2, 16384, 4, 256, 128), (2, 4096, 4, 64, 32)],
+                "gsa": [(8, 4096, 4, 256, 128), (2, 16384, 4, 256, 128), (2, 4096, 4, 64, 32), (2, 16384, 4, 64, 256)],
                 "rwkv6": [(8, 4096, 8, 128, 128), (2, 16384, 8, 128, 128), (8, 4096, 16, 32, 128),
-                          (2, 16384, 16, 128, 32)]}
+                          (2, 16384, 16, 128, 32), (8, 4096, 4, 256, 256), (2, 16384, 4, 256, 256),
+                          (2, 16384, 4, 128, 256)]}
 
 
 @pytest.mark.parametrize("op", ["rwkv7", "gsa", "rwkv6"])
