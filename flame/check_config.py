@@ -13,7 +13,7 @@ import sys
 from flame.config import ConfigError, load_config, to_toml
 
 USAGE = """usage: python -m flame.check_config --config FILE [--section.key=value ...] [--get section.key]
-                                   [--strict | --no-data-check]
+                                   [--strict | --no-data-check] [--world-size N]
 
 Check a run config as flame.train would (names, types, ranges, then the data), without starting anything.
 Prints the resolved TOML, or only the value of --get section.key.
@@ -23,6 +23,7 @@ Prints the resolved TOML, or only the value of --get section.key.
   --get section.key    print only this value
   --strict             a data problem (a source glob that matches nothing here, a missing tokenizer) is an error
   --no-data-check      skip the data checks
+  --world-size N       the number of processes the run will have: the parallel layout must fit it
 Exit code 0: valid (data problems, if any, printed as warnings); 2: a config error (one line on stderr)."""
 
 
@@ -52,17 +53,24 @@ def take_flag(argv: list[str], flag: str) -> bool:
     return found
 
 
+def take_value(argv: list[str], flag: str) -> str | None:
+    """The value after `flag` ("" when it is last), removed from argv with it; None without the flag."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    value = argv[i + 1] if i + 1 < len(argv) else ""
+    del argv[i:i + 2]
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(USAGE)
         return
     strict, skip_data = take_flag(argv, "--strict"), take_flag(argv, "--no-data-check")
-    get = None
-    if "--get" in argv:
-        i = argv.index("--get")
-        get = argv[i + 1] if i + 1 < len(argv) else ""
-        del argv[i:i + 2]
+    get, world = take_value(argv, "--get"), take_value(argv, "--world-size")
+    from flame.parallel import resolve_dp_degrees
     from flame.train import parse_args
 
     try:
@@ -70,6 +78,14 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--strict", "either --strict or --no-data-check, not both")
         path, overrides = parse_args(argv)
         cfg = load_config(path, overrides)
+        if world is not None:
+            if not world.isdigit() or int(world) < 1:
+                raise ConfigError("--world-size", "a number of processes >= 1", world)
+            try:
+                resolve_dp_degrees(cfg.parallelism, int(world))
+            except ConfigError as e:
+                e.file = path
+                raise
         if get is not None:
             section, _, key = get.partition(".")
             if not hasattr(cfg, section) or not hasattr(getattr(cfg, section), key):

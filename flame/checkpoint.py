@@ -252,7 +252,6 @@ class Checkpointer:
             if problem := self.agreed_problem(self.cfg.load_step):
                 raise RunError(f"checkpoint.load_step={self.cfg.load_step}: checkpoint {self.path(self.cfg.load_step)} "
                                f"cannot be loaded: {problem}")
-            self.say_verified(self.cfg.load_step)
             return self.cfg.load_step
         if self.cfg.resume != "auto" or not steps:
             return None
@@ -262,7 +261,6 @@ class Checkpointer:
             if damaged:
                 self.say(f"{damaged}; {'trying' if problem else 'resuming from'} step-{step} instead")
             if problem is None:
-                self.say_verified(step)
                 return step
             self.unreadable.add(step)
             damaged = f"checkpoint {self.path(step)} cannot be loaded (left as it is): {problem}"
@@ -283,7 +281,7 @@ class Checkpointer:
         return problem
 
     def say_verified(self, step: int) -> None:
-        """The line that tells the operator what the start-up spent reading the checkpoint back."""
+        """The line that tells the operator what the start-up spent reading the checkpoint (step_to_resume's) back."""
         path = self.path(step)
         if (path / CHECKSUMS).is_file():
             gib = sum(p.stat().st_size for p in path.iterdir()) / 2**30

@@ -9,6 +9,7 @@ bound to the process named by $FLAME_PARENT_PID; the ranks bind to it in turn th
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import runpy
 import signal
@@ -60,6 +61,10 @@ def main() -> None:
     sys.argv = [module, *sys.argv[2:]]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # a rank's exit code 2 is a foreseen error it has said in one line: torchrun's own "failed (exitcode: 2)" log
+    # line after it would read as a second, unexplained failure
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: "failed (exitcode: 2)" not in record.getMessage())
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except ChildFailedError as e:

@@ -31,7 +31,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from flame import stop_signals
 from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config,
-                              complete_steps, nonfinite_tensors, rng_state, set_rng_state, some_of)
+                              complete_steps, flat_config, nonfinite_tensors, rng_state, set_rng_state, some_of)
 from flame.config import Config, ConfigError, RunError, load_config, to_toml
 from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
@@ -44,6 +44,7 @@ from flame.optim import build_lr_scheduler, build_optimizer, restore_lr_schedule
 from flame.parallel import all_reduce_sum, init_distributed, parallelize, resolve_dp_degrees
 from flame.profiling import StepProfiler
 from flame.run_lock import lock_run_folder
+from flame.startup import StartupReport
 
 
 @dataclass
@@ -59,20 +60,27 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.init_process()
-        resume_step = self.open_run()
-        self.build_and_shard_model(resume_step)
-        self.build_optimizer_and_data()
-        self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
-        self.last_loss: float | None = None  # for the closing line
-        self.stop_signal = 0
-        self.staging_ready = False
-        stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
-        load_seconds = self.resume_and_start_metrics(resume_step)
-        self.global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * self.d.world_size
-        self.print_start(resume_step, load_seconds)
-        self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.device, next_step=self.step + 1,
-                                     last_step=cfg.training.steps, say=self.print)
+        self.run_lock = None
+        try:
+            self.init_process()
+            self.startup = StartupReport(STARTED, say=self.print if self.rank == 0 else None)
+            resume_step = self.open_run()
+            self.build_and_shard_model(resume_step)
+            self.build_optimizer_and_data()
+            self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
+            self.last_loss: float | None = None  # for the closing line
+            self.stop_signal = 0
+            self.staging_ready = False
+            stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
+            load_seconds = self.resume_and_start_metrics(resume_step)
+            self.global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * self.d.world_size
+            self.print_start(resume_step, load_seconds)
+            self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.device, next_step=self.step + 1,
+                                         last_step=cfg.training.steps, say=self.print)
+        except BaseException:
+            if self.run_lock is not None:  # a run that never started leaves no lock for the next launch to take over
+                self.run_lock.release()
+            raise
 
     def init_process(self) -> None:
         """The process group, the seeds, and this run's folder, locked (one run per folder: RunError if in use)."""
@@ -105,6 +113,7 @@ class Trainer:
         """Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
         weights do not depend on the number of ranks), then sharded."""
         cfg, t, c = self.cfg, self.cfg.training, self.cfg.checkpoint
+        self.startup.stage(f"building the model ({cfg.model.name}) on {self.device.type}")
         with torch.device("meta"):
             model = build_model(cfg.model)
         model.to_empty(device=self.device)
@@ -125,6 +134,7 @@ class Trainer:
     def build_optimizer_and_data(self) -> None:
         """Optimizer, learning-rate schedule and the training data, whose tokenizer must fit model.vocab_size."""
         cfg, t = self.cfg, self.cfg.training
+        self.startup.stage("building the optimizer and the data loader")
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loader = build_train_loader(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
@@ -141,6 +151,7 @@ class Trainer:
         wandb_id = None
         load_seconds = None
         if resume_step is not None:
+            self.startup.stage(f"loading checkpoint step-{resume_step}")
             start = time.perf_counter()
             wandb_id = self.load_checkpoint(resume_step)
             load_seconds = time.perf_counter() - start
@@ -188,6 +199,10 @@ class Trainer:
                 raise layout_error(self.checkpointer.path(resume_step), (ts["dp_world"], ts["data_workers"]), now)
             if changes:
                 self.print(f"config changed since step {resume_step} (applied): " + "; ".join(changes))
+            if ts["config"] and (line := global_batch_change(ts["config"], ts["dp_world"], self.cfg,
+                                                               self.d.world_size)):
+                self.print(f"global batch changed since step {resume_step} (applied): {line}")
+            self.checkpointer.say_verified(resume_step)
             self.data_bound_changed = not self.cfg.data.synthetic and any(c.startswith(DATA_BOUND) for c in changes)
         if self.rank == 0:
             kept = write_config_toml(self.run_dir, current, resume_step or 0)
@@ -237,6 +252,9 @@ class Trainer:
         if self.step >= t.steps:
             self.print(f"nothing to train: the run is at step {self.step} of training.steps = {t.steps}")
         first_step_logged = False
+        if self.step < t.steps:
+            self.startup.stage("the first step" + (": torch.compile and the kernels' autotuning run in it"
+                                                   if t.compile or self.d.on_gpu else ""))
         while self.step < t.steps:
             self.profiler.before_step(self.step + 1)  # [profiling]: a window opens or closes here
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
@@ -248,6 +266,7 @@ class Trainer:
             self.metrics.count(self.global_batch * t.seq_len)
             if not first_step_logged:  # start-up, compilation and autotuning included; once per launch
                 first_step_logged = True
+                self.startup.done()
                 self.metrics.log_extra(self.step, {"time_to_first_step_sec": time.perf_counter() - STARTED})
             if self.step == 1:
                 self.sanity_check_first_loss(result.loss)
@@ -413,6 +432,7 @@ class Trainer:
     def close(self, clean: bool = True) -> None:
         """clean: every rank got here together (an async save in flight is completed). After an error, skip all
         waiting on other ranks: one of them may be gone."""
+        self.startup.done()
         self.profiler.close(write=clean)  # [profiling]: a window that the end of training or a stop signal cut short
         if clean:
             self.checkpointer.close()
@@ -431,6 +451,18 @@ def layout_error(path: Path, saved: tuple[int, int], now: tuple[int, int]) -> Ru
     return RunError(f"checkpoint {path} was written by {saved[0]} data-parallel ranks with {saved[1]} data workers "
                     f"each, this run has {now[0]} and {now[1]}: model and optimizer reshard, the data streams' "
                     f"positions do not; {WAYS_OUT.replace('settings', 'layout', 1)}")
+
+
+def global_batch_change(saved_toml: str, saved_ranks: int, cfg: Config, ranks: int) -> str | None:
+    """The global batch of the checkpoint and of this run (ranks x batch_size x accumulation steps) where they
+    differ: another number of ranks changes it without any key changing."""
+    saved = flat_config(saved_toml)
+    before = (saved_ranks, saved.get("training.batch_size"), saved.get("training.gradient_accumulation_steps"))
+    now = (ranks, cfg.training.batch_size, cfg.training.gradient_accumulation_steps)
+    if None in before or before == now:
+        return None
+    return (f"{math.prod(before)} sequences in the checkpoint ({' x '.join(map(str, before))} ranks x batch_size x "
+            f"accumulation), {math.prod(now)} now ({' x '.join(map(str, now))})")
 
 
 def write_config_toml(run_dir: Path, text: str, step: int) -> str | None:

@@ -43,8 +43,6 @@ if [[ $1 == -m ]]; then
 else
   config=$1; shift
   cd "$(dirname "$0")/.."
-  # Fail fast (exit 2, one line) before any process starts.
-  dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --strict --get job.dump_folder)
 fi
 
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
@@ -55,13 +53,16 @@ if [[ -n ${SLURM_JOB_ID:-} ]]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-# Another run holds this folder: exit 2, one line. Rank 0 (on node 0) takes the lock for good once it starts.
-[[ -n $module || $NODE_RANK -ne 0 ]] || "${PYTHON:-python3}" -m flame.run_lock "$dump"
 if [[ -z ${NGPU:-} && -z ${NPROC:-} ]]; then
   NGPU=$("${PYTHON:-python3}" -c "import torch; print(torch.cuda.device_count())")
 fi
 NPROC=${NPROC:-$NGPU}
 [[ $NPROC -ge 1 ]] || NPROC=1
+# Fail fast (exit 2, one line) before any process starts: the config, and its parallel layout on these processes.
+[[ -n $module ]] || dump=$("${PYTHON:-python3}" -m flame.check_config --config "$config" "$@" --strict \
+  --world-size $((NNODES * NPROC)) --get job.dump_folder)
+# Another run holds this folder: exit 2, one line. Rank 0 (on node 0) takes the lock for good once it starts.
+[[ -n $module || $NODE_RANK -ne 0 ]] || "${PYTHON:-python3}" -m flame.run_lock "$dump"
 
 if [[ -z $module ]]; then
   logs="$dump/logs/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK"

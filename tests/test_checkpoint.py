@@ -91,6 +91,16 @@ def test_text_checkpoint_on_other_rank_count_stops_with_advice(tmp_path, straigh
                 "--checkpoint.resume=never"):
         assert way in line
     assert not any("Traceback" in line for line in rank_lines)
+    # nothing after the rank's line: no torchrun failure report, and no lock left for the next launch to take over
+    assert "failed (exitcode" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert (dump / ".lock").read_text() == ""
+
+    # restarting the data streams on 1 rank halves the global batch: said with the other changes applied
+    proc = launch(dump, "--training.steps=21", "--checkpoint.data_state=restart", nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "took over the lock" not in proc.stdout
+    assert "global batch changed since step 20 (applied): 8 sequences in the checkpoint (2 x 4 x 1 ranks x " \
+           "batch_size x accumulation), 4 now (1 x 4 x 1)" in proc.stdout
 
 
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):

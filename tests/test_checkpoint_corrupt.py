@@ -183,3 +183,20 @@ def test_explicit_load_step_of_a_damaged_checkpoint_stops(tmp_path, straight):
                            f"{dump}/checkpoint/step-2/.metadata: ")
     assert "no complete checkpoint" in line
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2", "step-4"]
+
+
+@pytest.mark.gpu
+def test_async_saves_from_the_gpu_record_checksums_that_catch_damage(tmp_path):
+    """The GPU path: async saves staged through the pinned CPU copy hash their files in the background thread."""
+    path, dump = write_config(tmp_path)
+    proc = run_train(path, *ARGS, "--checkpoint.async_mode=async")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 ranks on cuda" in proc.stdout and "(async, written in the background)" in proc.stdout
+    for step in (2, 4):
+        assert (dump / "checkpoint" / f"step-{step}" / CHECKSUMS).is_file()
+        assert unreadable_file(dump / "checkpoint" / f"step-{step}") is None
+    file = damage_checkpoint(dump / "checkpoint" / "step-4", "NaN in a moment")
+    proc = run_train(path, *ARGS, "--checkpoint.async_mode=async")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{file}: checksum mismatch" in proc.stdout and "resuming from step-2 instead" in proc.stdout
+    assert unreadable_file(dump / "checkpoint" / "step-4") is None

@@ -44,3 +44,15 @@ def test_launch_rwkv6_tiny(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(50304)) < 1.0 and losses[-1] < losses[0]
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4"]
+
+
+def test_layout_that_does_not_fit_the_processes_stops_before_any_starts(tmp_path):
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}",
+         "--parallelism.dp_shard=2"],
+        cwd=REPO, env=dict(env(), NPROC="3"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("config error: configs/transformer_tiny.toml: parallelism: expected dp_replicate * "
+                                   "dp_shard = number of processes (3), got '1 * 2'")
+    assert proc.stdout == "" and not dump.exists()  # no process started, no run folder made
