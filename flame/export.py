@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from flame.checkpoint import complete_steps
+from flame.checkpoint import complete_steps, unreadable_file
 from flame.config import ConfigError, build_dataclass, config_from_toml
 from flame.data.paths import resolve_path
 from flame.data.tokenizer import tokenizer_files as spec_tokenizer_files
@@ -316,6 +316,8 @@ def read_run(run_dir: str | Path, step: int | None = None) -> ModelState:
         raise ConvertError(f"{folder}: no complete checkpoint step-{step} (complete: {steps})")
     path = str(folder / f"step-{step}")
     check_shards(Path(path))
+    if problem := unreadable_file(Path(path)):  # its checksums too: a damaged checkpoint is not exported
+        raise ConvertError(f"{path} cannot be loaded: {problem}")
     train_state = {"config": ""}
     with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")

@@ -56,3 +56,13 @@ def test_export_prints_its_step_and_files_follow_the_umask(tmp_path):
     assert set(files.values()) == {0o666 & ~UMASK}, files
     assert mode(out) == 0o777 & ~UMASK
 
+
+    # a checkpoint whose bytes changed on disk is not exported: one line naming the file by its checksum
+    (shard,) = (dump / "checkpoint" / "step-2").glob("*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    damaged = flame_export(str(dump), str(tmp_path / "damaged"))
+    assert damaged.returncode == 2 and not (tmp_path / "damaged").exists()
+    (line,) = damaged.stderr.strip().splitlines()
+    assert f"{shard}: checksum mismatch" in line, line
