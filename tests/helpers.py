@@ -136,6 +136,22 @@ def wait_for_step(dump, proc, step, timeout=240):
         time.sleep(0.05)
 
 
+def run_processes(dump: Path) -> set[int]:
+    """Every live process whose command line names the run folder: launcher, torchrun, ranks, data workers."""
+    needle = f"--job.dump_folder={dump}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if needle in cmdline and state != "Z":  # a zombie has ended; only its parent has not read its status
+                pids.add(int(entry.name))
+    return pids
+
+
 def read_checkpoint(dump: Path, step: int) -> dict:
     """A DCP checkpoint as one plain dict of full tensors."""
     import torch

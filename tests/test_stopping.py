@@ -7,13 +7,12 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from flame.config import RunError
 from flame.run_lock import LOCK_NAME, lock_run_folder
-from tests.helpers import REPO, env, last_step, run_train, wait_for_step, write_config
+from tests.helpers import REPO, env, last_step, run_processes, run_train, wait_for_step, write_config
 
 # the tiny default config on the bundled sample text: one rank with its 2 data workers, a step every moment
 ARGS = ["--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
@@ -26,22 +25,6 @@ def launch(dump, *overrides):
            *overrides]
     return subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def run_processes(dump) -> set[int]:
-    """Every process whose command line names the run folder: launcher, torchrun, ranks, data workers."""
-    needle = f"--job.dump_folder={dump}".encode()
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if needle in cmdline and state != "Z":  # a zombie has ended; only its parent has not read its status
-                pids.add(int(entry.name))
-    return pids
 
 
 def test_ctrl_c_saves_resumes_one_run_per_folder_sigkill_leaves_nothing(tmp_path, capsys):
