@@ -10,6 +10,7 @@ name and shape is checked against them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -521,15 +522,24 @@ def read_fla(folder: Path) -> ModelState:
                            f"{', '.join(sorted(LAYOUTS))})")
     args = layout.args(cfg, path)
     sd, file = load_weights(folder)
-    if cfg.get("tie_word_embeddings") and getattr(args, "tie_embeddings", False):
+    notes = layout.notes(args)
+    embed = sd.get("model.embed_tokens.weight", sd.get("model.embeddings.weight"))
+    head = sd.get("lm_head.weight")
+    if cfg.get("tie_word_embeddings") and head is not None and not (embed is not None and torch.equal(head, embed)):
+        # transformers (>= 5) then does not tie them: the folder's lm_head is the output layer, and so it is here
+        notes.append(f"{path}: tie_word_embeddings = true, but lm_head.weight differs from the embedding: kept as "
+                     "its own output layer, as transformers 5 loads it")
+        if getattr(args, "tie_embeddings", False):
+            args = dataclasses.replace(args, tie_embeddings=False)
+    elif cfg.get("tie_word_embeddings") and getattr(args, "tie_embeddings", False):
         sd.pop("lm_head.weight", None)   # a copy of the embedding some writers keep: flame's tied head has none
-    elif cfg.get("tie_word_embeddings") and "lm_head.weight" not in sd and "model.embeddings.weight" in sd:
-        sd["lm_head.weight"] = sd["model.embeddings.weight"]   # flame's head is its own tensor
+    elif cfg.get("tie_word_embeddings") and head is None and embed is not None:
+        sd["lm_head.weight"] = embed.clone()   # flame's head is its own tensor (saved apart from the embedding)
     check_tensors(file, sd, layout.to_fla(empty_state(args), args))
     state = {k: v.float().contiguous() for k, v in layout.from_fla(sd, args).items()}
     tokenizer = folder_tokenizer_files(folder)
     return ModelState(args, state, str(folder.resolve()), None, tokenizer,
-                      f"{folder} holds no tokenizer files; none copied", layout.notes(args))
+                      f"{folder} holds no tokenizer files; none copied", notes)
 
 
 def write_fla(dst: Path, model: ModelState) -> Path:
