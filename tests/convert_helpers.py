@@ -3,6 +3,7 @@ flame export as module fixtures, the round-trip comparison, and the rwkv package
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from contextlib import contextmanager
 
@@ -154,3 +155,19 @@ def rwkv_package_settings(v7: bool):
         torch._C._jit_set_autocast_mode(autocast)
         for k, v in env.items():
             os.environ.pop(k) if v is None else os.environ.update({k: v})
+
+
+def rwkv_package_x060(pth, strategy: str = "cpu fp32"):
+    """The rwkv package's RWKV class on an x060 .pth (it detects x060 and runs RWKV_x060's math in plain PyTorch, no
+    TorchScript, no CUDA kernels), from a private copy of rwkv/model.py: the shared module may have been imported with
+    RWKV_V7_ON, which replaces that class. Skips where the package is not installed."""
+    pytest.importorskip("rwkv")
+    import rwkv
+
+    with rwkv_package_settings(v7=False):
+        spec = importlib.util.spec_from_file_location("rwkv_model_x060", os.path.join(rwkv.__path__[0], "model.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.RWKV(str(pth.with_suffix("")), strategy, verbose=False)   # it appends .pth itself
+    assert model.version == 6.0
+    return model

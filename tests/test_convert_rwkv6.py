@@ -5,9 +5,7 @@ flame with FLA's logits, foreseeable bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch
 from flame.export import load_exported, read_export
 from tests.convert_helpers import (assert_rwkv_lm_round_trip, assert_same_export, checkpoint_fixtures, convert,
                                    flame_logits_one_and_two_documents, random_rwkv_lm_checkpoint, relative,
-                                   rwkv_package_settings)
+                                   rwkv_package_x060)
 from tests.helpers import one_thread  # noqa: F401  (the rwkv package's RNN mode: tiny ops per token)
 
 LAYERS, WIDTH, HEAD, VOCAB = 2, 128, 64, 300
@@ -54,19 +52,8 @@ pth, exported = checkpoint_fixtures(rwkv_lm_checkpoint)
 
 @pytest.fixture(scope="module")
 def rwkv_package(pth):
-    """The rwkv package's RWKV class (which detects x060 and runs RWKV_x060's math, CPU fp32, no TorchScript), from
-    a private copy of rwkv/model.py: the shared module may have been imported with RWKV_V7_ON, which replaces that
-    class. Importing it switches global torch settings (TF32, cuDNN benchmark); they are put back."""
-    pytest.importorskip("rwkv")
-    import rwkv
-
-    with rwkv_package_settings(v7=False):
-        spec = importlib.util.spec_from_file_location("rwkv_model_x060", os.path.join(rwkv.__path__[0], "model.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        model = module.RWKV(str(pth.with_suffix("")), "cpu fp32", verbose=False)   # it appends .pth itself
-    assert model.version == 6.0
-    return model
+    """The rwkv package's RWKV-6 on the .pth, CPU fp32 (tests/convert_helpers.py)."""
+    return rwkv_package_x060(pth)
 
 
 def rnn_logits(model, tokens: list[int]) -> torch.Tensor:
