@@ -97,7 +97,9 @@ def byte_bpe(texts, path: Path, vocab_size: int = 300):
 
 
 def env() -> dict:
-    e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # the repository first; what the caller's PYTHONPATH holds (packages installed to a --target folder) after it
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    e = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(k, None)
     return e
