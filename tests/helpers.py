@@ -83,6 +83,23 @@ def exit_line(capsys, main, argv) -> str:
     return err[0]
 
 
+def one_error_line(capsys, main, argv, module: str | None = None) -> str:
+    """main(argv) (with `module`: `python -m module` in a subprocess, the real entry point) exits 2 with one stderr
+    line "error: ..." and nothing on stdout; returns stderr."""
+    if module:
+        r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, cwd=REPO, env=env(),
+                           timeout=120)
+        code, out, err = r.returncode, r.stdout, r.stderr
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        code, (out, err) = exit_info.value.code, capsys.readouterr()
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert out == ""
+    return err
+
+
 def byte_bpe(texts, path: Path, vocab_size: int = 300):
     """A byte-level BPE tokenizer trained on `texts` with EOS as its special token, saved as `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -4,8 +4,6 @@ summed; bits per byte against bytes counted here from the documents; --max-token
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch.nn.functional as F
 
 from flame.eval import main
 from tests.eval_export import DOCS, SEQ_LEN, parse, tiny_eval_export
-from tests.helpers import EOS, REPO, env
+from tests.helpers import EOS, one_error_line
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +81,6 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys, case):
             (bare / name).write_bytes((export / name).read_bytes())
         argv[0] = str(bare)
     if case == "missing model":  # once through the real entry point
-        r = subprocess.run([sys.executable, "-m", "flame.eval", *argv], capture_output=True, text=True, cwd=REPO,
-                           env=env(), timeout=120)
-        code, out, err = r.returncode, r.stdout, r.stderr
+        one_error_line(capsys, main, argv, "flame.eval")
     else:
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv + ["--device", "cpu"])
-        code, (out, err) = exit_info.value.code, capsys.readouterr()
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
-    assert out == ""
+        one_error_line(capsys, main, argv + ["--device", "cpu"])

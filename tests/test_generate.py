@@ -4,8 +4,6 @@ forward pass for every token (one prompt streamed, a batch), streamed text, and 
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from flame.data.tokenizer import open_tokenizer
 from flame.export import ModelState, write_export
 from flame.generate import Sampling, StreamPrinter, keep_top_k, keep_top_p, main, sample
 from flame.models import build_model, model_args_class
-from tests.helpers import EOS, REPO, byte_bpe, env
+from tests.helpers import EOS, REPO, byte_bpe, one_error_line
 
 TEXT = ["the quick brown fox jumps over the lazy dog. " * 3, "héllo wörld, naïve café ünïcode text",
         "pack my box with five dozen liquor jugs " * 4]
@@ -164,17 +162,8 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys, case):
         assert len(tok.encode_batch([TEXT[0]])[0]) > SEQ_LEN
     else:
         argv = [str(export)]
-    if case == "not a model":  # once through the real entry point
-        r = subprocess.run([sys.executable, "-m", "flame.generate", *argv], capture_output=True, text=True, cwd=REPO,
-                           env=env(), timeout=120)
-        code, out, err = r.returncode, r.stdout, r.stderr
-    else:
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-        code, (out, err) = exit_info.value.code, capsys.readouterr()
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
-    assert out == ""
+    # "not a model" once through the real entry point
+    err = one_error_line(capsys, main, argv, "flame.generate" if case == "not a model" else None)
     if case == "prompt too long":
         assert f"the {SEQ_LEN} the Transformer was trained on" in err
 

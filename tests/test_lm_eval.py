@@ -17,8 +17,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from flame.export import ModelState, write_export  # noqa: E402
 from flame.lm_eval import FlameLM, main  # noqa: E402
-from flame.models import build_model, model_args_class  # noqa: E402
 from tests.helpers import EOS, REPO, byte_bpe, one_thread  # noqa: E402, F401  (one_thread: tiny matrices)
+from tests.tiny_models import tiny_model, wake_branches  # noqa: E402
 
 TASK_DIR = REPO / "tests" / "data" / "lm_eval_task"
 ITEMS = [json.loads(line) for line in (TASK_DIR / "items.jsonl").read_text().splitlines()]
@@ -28,22 +28,14 @@ WINDOW = 16
 
 
 def tiny(kind: str):
-    torch.manual_seed(0)
     if kind == "transformer":
-        args = model_args_class("transformer")(name="transformer", vocab_size=320, hidden_size=64, num_layers=2,
-                                               num_heads=2)
-    elif kind == "rwkv7":
-        args = model_args_class("rwkv7")(name="rwkv7", vocab_size=320, hidden_size=64, num_layers=2, head_dim=16)
+        model = tiny_model("transformer", vocab_size=320, hidden_size=64, num_layers=2, num_heads=2)
+    elif kind == "rwkv7":  # RWKV-7 starts with zero output projections: make both branches matter
+        model = wake_branches(tiny_model("rwkv7", vocab_size=320, hidden_size=64, num_layers=2, head_dim=16), 0.1)
     else:
-        args = model_args_class("gsa")(name="gsa", vocab_size=320, hidden_size=64, num_layers=2, num_heads=2,
-                                       num_slots=16, use_short_conv=True, initializer_range=0.05)
-    model = build_model(args)
-    model.init_weights()
-    if kind == "rwkv7":  # RWKV-7 starts with zero output projections: make both branches matter
-        for block in model.layers:
-            block.attn.o_proj.weight.data.normal_(std=0.1)
-            block.ffn.value.weight.data.normal_(std=0.1)
-    return args, model.eval()
+        model = tiny_model("gsa", vocab_size=320, hidden_size=64, num_layers=2, num_heads=2, num_slots=16,
+                           use_short_conv=True, initializer_range=0.05)
+    return model.args, model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -8,32 +8,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flame.models import build_model, model_args_class
 from kernels.gsa import naive_gsa
 from kernels.gsa.step import recurrent_step as gsa_step
 from kernels.rwkv7 import naive_rwkv7
 from kernels.rwkv7.step import recurrent_step as rwkv7_step
 from tests.helpers import one_thread  # noqa: F401  (decoding is hundreds of tiny ops)
+from tests.tiny_models import tiny_model, wake_branches
 
 VOCAB = 256
 MODELS = ["rwkv7", "gsa", "gsa_conv"]
 
 
 def tiny(kind: str):
-    if kind == "rwkv7":
-        args = model_args_class("rwkv7")(name="rwkv7", vocab_size=VOCAB, hidden_size=64, num_layers=2, head_dim=16)
-    else:
-        args = model_args_class("gsa")(name="gsa", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=2,
-                                       num_slots=16, use_short_conv=kind == "gsa_conv", initializer_range=0.05)
-    args.validate()
-    torch.manual_seed(0)
-    model = build_model(args)
-    model.init_weights()
     if kind == "rwkv7":     # RWKV-7 starts with zero output projections: make both branches matter
-        for block in model.layers:
-            block.attn.o_proj.weight.data.normal_(std=0.1)
-            block.ffn.value.weight.data.normal_(std=0.1)
-    return model.eval()
+        return wake_branches(tiny_model("rwkv7", vocab_size=VOCAB, hidden_size=64, num_layers=2, head_dim=16),
+                             0.1).eval()
+    return tiny_model("gsa", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=2, num_slots=16,
+                      use_short_conv=kind == "gsa_conv", initializer_range=0.05).eval()
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -11,26 +11,18 @@ from tokenizers import Tokenizer
 
 from flame.config import load_config
 from flame.convert_rwkv_lm import to_rwkv_lm_x060
-from flame.models import build_model, model_args_class
+from flame.models import build_model
 from flame.optim import build_optimizer
 from tests.helpers import REPO, one_thread  # noqa: F401  (one_thread: tiny ops, decoding above all)
+from tests.tiny_models import tiny_model, wake_branches
 
 VOCAB = 256
 
 
 def tiny(vocab=VOCAB, hidden=64, layers=2, head_dim=16, seed=0, branches=True):
-    args = model_args_class("rwkv6")(name="rwkv6", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                                     head_dim=head_dim)
-    args.validate()
-    torch.manual_seed(seed)
-    model = build_model(args)
-    model.init_weights()
-    if branches:   # the zero-initialized output projections and channel-mix gate: make every branch matter
-        for block in model.layers:
-            for w in (block.attn.o_proj.weight, block.ffn.value.weight, block.ffn.receptance.weight,
-                      block.attn.maa_w1, block.attn.decay_w1):
-                w.data.normal_(std=0.1)
-    return model
+    model = tiny_model("rwkv6", seed, vocab_size=vocab, hidden_size=hidden, num_layers=layers, head_dim=head_dim)
+    # branches: the zero-initialized output projections and channel-mix gate made to matter
+    return wake_branches(model, 0.1) if branches else model
 
 
 def test_first_loss_is_near_ln_vocab():

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flame.export import ModelState, load_exported, write_export
-from flame.models import build_model, model_args_class
 from tests.convert_helpers import assert_same_export, convert, rwkv_package_x060
 from tests.helpers import assert_gpu_path_matches_cpu_path
+from tests.tiny_models import tiny_model, wake_branches
 
 VOCAB = 512
 T = 300   # not a multiple of any chunk size: the last chunk is partial
@@ -19,17 +19,8 @@ T = 300   # not a multiple of any chunk size: the last chunk is partial
 def tiny(hidden=256, layers=3, head_dim=64, seed=0):
     """A random RWKV-6 whose every branch matters: the output projections, channel-mix gate and low-rank paths,
     zero at init, made small random."""
-    args = model_args_class("rwkv6")(name="rwkv6", vocab_size=VOCAB, hidden_size=hidden, num_layers=layers,
-                                     head_dim=head_dim)
-    args.validate()
-    torch.manual_seed(seed)
-    model = build_model(args)
-    model.init_weights()
-    for block in model.layers:
-        for w in (block.attn.o_proj.weight, block.ffn.value.weight, block.ffn.receptance.weight,
-                  block.attn.maa_w1, block.attn.decay_w1):
-            w.data.normal_(std=0.02)
-    return model
+    return wake_branches(tiny_model("rwkv6", seed, vocab_size=VOCAB, hidden_size=hidden, num_layers=layers,
+                                    head_dim=head_dim), 0.02)
 
 
 def rwkv_lm_round_trip(model, tmp_path, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
