@@ -108,5 +108,15 @@ def per_sequence(B: int, cu_seqlens: torch.Tensor | None, run_one):
     return tuple(torch.cat(parts, dim=1 if i == 0 else 0) for i, parts in enumerate(zip(*results)))
 
 
+def sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """The naive references' walk over sequences: (row, first token, end) of each, the B rows of T tokens when
+    cu_seqlens is None, else the sequences cu_seqlens packs along T in one row (B == 1)."""
+    if cu_seqlens is None:
+        return [(i, 0, T) for i in range(B)]
+    assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+    cu = cu_seqlens.tolist()
+    return [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+
+
 def sequence_count(B: int, cu_seqlens: torch.Tensor | None) -> int:
     return B if cu_seqlens is None else cu_seqlens.numel() - 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.utils import sequence_bounds
+
 
 def _naive_one(q, k, v, s, g, scale, hk, hv):
     # q, k: [B, T, H, K]; v: [B, T, H, V]; s, g: [B, T, H, M]; hk: [B, H, K, M]; hv: [B, H, M, V]
@@ -33,12 +35,7 @@ def naive_gsa(q, k, v, s, g, scale: float | None = None, initial_state=None, out
     V, M = v.shape[-1], s.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     q, k, v, s, g = (x.to(dtype) for x in (q, k, v, s, g))
-    if cu_seqlens is None:
-        bounds = [(i, 0, T) for i in range(B)]
-    else:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-        cu = cu_seqlens.tolist()
-        bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    bounds = sequence_bounds(B, T, cu_seqlens)
     outs, hks, hvs = [], [], []
     for n, (row, bos, eos) in enumerate(bounds):
         if initial_state is None:

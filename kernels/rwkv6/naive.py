@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.utils import sequence_bounds
+
 
 def _naive_one(r, k, v, w, u, scale, state):
     # r, k, w: [B, T, H, K]; v: [B, T, H, V]; u: [H, K]; state: [B, H, K, V]
@@ -32,12 +34,7 @@ def naive_rwkv6(r, k, v, w, u, scale: float | None = None, initial_state=None, o
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     r, k, v, w, u = (x.to(dtype) for x in (r, k, v, w, u))
-    if cu_seqlens is None:
-        bounds = [(i, 0, T) for i in range(B)]
-    else:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-        cu = cu_seqlens.tolist()
-        bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    bounds = sequence_bounds(B, T, cu_seqlens)
     outs, finals = [], []
     for n, (row, bos, eos) in enumerate(bounds):
         s0 = r.new_zeros(1, H, K, V) if initial_state is None else initial_state[n:n + 1].to(dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.utils import sequence_bounds
+
 
 def _naive_one(r, w, k, v, a, b, scale, state):
     # r, w, k, a, b: [B, T, H, K]; v: [B, T, H, V]; state: [B, H, K, V]
@@ -30,12 +32,7 @@ def naive_rwkv7(r, w, k, v, a, b, scale: float = 1.0, initial_state=None, output
     B, T, H, K = r.shape
     V = v.shape[-1]
     r, w, k, v, a, b = (x.to(dtype) for x in (r, w, k, v, a, b))
-    if cu_seqlens is None:
-        bounds = [(i, 0, T) for i in range(B)]
-    else:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-        cu = cu_seqlens.tolist()
-        bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    bounds = sequence_bounds(B, T, cu_seqlens)
     outs, finals = [], []
     for n, (row, bos, eos) in enumerate(bounds):
         if initial_state is None:
