@@ -18,7 +18,8 @@ from kernels.gsa.chunk import chunk_gsa_bwd_op, chunk_gsa_op
 from kernels.rwkv6.chunk import chunk_rwkv6_bwd_op, chunk_rwkv6_op
 from kernels.rwkv7.chunk import chunk_rwkv7, chunk_rwkv7_bwd_op, chunk_rwkv7_op
 from kernels.settings import from_text, to_text
-from tests.kernels import common, test_gsa, test_rwkv6, test_rwkv7
+from tests.kernels import common
+from tests.kernels.inputs import gsa_inputs, rwkv6_inputs, rwkv7_inputs, rwkv7_logit_inputs
 
 # Equal rows (two sequences of 16, initial and final states) and packed sequences of unknown lengths (cu_seqlens,
 # seq_len 0, no states) with the op's other scan regime forced through its settings text.
@@ -41,16 +42,16 @@ def op_inputs(name, B, T, packed, settings):
     seq_len = 0 if packed else T
     if name.startswith("rwkv7"):
         if name == "rwkv7":
-            xs, h0 = test_rwkv7.make_inputs(B, T, 1, 16, 16)
+            xs, h0 = rwkv7_inputs(B, T, 1, 16, 16)
             bias = None
         else:
-            xs, xs[1], bias, h0 = test_rwkv7.logit_inputs(B, T, 1, 16, 16)
+            xs, xs[1], bias, h0 = rwkv7_logit_inputs(B, T, 1, 16, 16)
             bias = bias.requires_grad_(True)
         h0 = None if packed else h0.requires_grad_(True)
         r, w, *rest = map(flat, xs)
         return [r, w, bias, *rest, 0.5, h0, True, cu, seq_len, settings]
     if name == "gsa":
-        xs, (hk0, hv0) = test_gsa.make_inputs(B, T, 1, 16, 16, 16)
+        xs, (hk0, hv0) = gsa_inputs(B, T, 1, 16, 16, 16)
         states = [None, None] if packed else [hk0.transpose(-1, -2).contiguous().requires_grad_(True),
                                               hv0.requires_grad_(True)]
         return [*map(flat, xs), 0.25, *states, True, cu, seq_len, settings, None, 1.0]
@@ -59,7 +60,7 @@ def op_inputs(name, B, T, packed, settings):
         q, k, v, s, g = feature_maps(*y.split(16, dim=-1), 8.0)
         xs = [x.reshape(1, B * T, 1, 16).detach().requires_grad_(True) for x in (q, k, v, s, g)]
         return [*xs, 1.0, None, None, False, cu, seq_len, settings, y.requires_grad_(True), 0.125]
-    xs, h0 = test_rwkv6.make_inputs(B, T, 1, 16, 16)
+    xs, h0 = rwkv6_inputs(B, T, 1, 16, 16)
     r, k, v, w, u = xs
     h0 = None if packed else h0.requires_grad_(True)
     return [*map(flat, (r, k, v, w)), u.requires_grad_(True), 0.25, h0, True, cu, seq_len, settings]

@@ -7,35 +7,17 @@ output, both final states and the gradients of q, k, v, s, g and both initial st
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels.gsa import chunk_gsa, naive_gsa
 from kernels.gsa.chunk import Settings
 from kernels.gsa.torch_chunk import chunk_gsa_torch
 from tests.kernels import common
 from tests.kernels.common import CPU_TOL, GPU_TOL
+from tests.kernels.inputs import gsa_inputs
 
 NAMES = ("o", "hk", "hv", "dq", "dk", "dv", "ds", "dg", "dhk0", "dhv0")
-
-
-def make_inputs(B, T, H, K, V, M, *, device="cpu", dtype=torch.float32, decay="model", seed=0, n_seq=None):
-    """GSA-shaped inputs: swish q, k; slot writes s in (0, 1); log forget gate g <= 0 (fp32); random states."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *sh: torch.randn(*sh, generator=gen)  # noqa: E731
-    q, k, v = F.silu(rnd(B, T, H, K)), F.silu(rnd(B, T, H, K)), rnd(B, T, H, V)
-    s = torch.sigmoid(rnd(B, T, H, M))   # independent of g here, so ds and dg are checked apart
-    if decay == "model":      # the GSA layer's gate: logsigmoid(.) / 8
-        g = F.logsigmoid(2 * rnd(B, T, H, M)) / 8
-    else:                     # "wide" or "stress"
-        g = common.log_decays((B, T, H, M), decay, gen)
-    xs = [q, k, v, s, g]
-    xs = [x.to(device=device, dtype=torch.float32 if i == 4 else dtype) for i, x in enumerate(xs)]
-    N = B if n_seq is None else n_seq
-    h0 = (0.5 * rnd(N, H, K, M)).to(device), rnd(N, H, M, V).to(device)
-    return xs, h0
 
 
 def run(fn, xs, h0, scale, cu_seqlens=None, seed=1, final=True, final_used=(True, True), **kw):
@@ -72,7 +54,7 @@ def interp():
 
 def test_naive_fp64_matches_the_definition_step_by_step():
     # Three steps of the recurrence written out by hand, one head: guards the reference itself.
-    xs, (hk0, hv0) = make_inputs(1, 3, 1, 4, 3, 5, decay="wide", seed=11)
+    xs, (hk0, hv0) = gsa_inputs(1, 3, 1, 4, 3, 5, decay="wide", seed=11)
     q, k, v, s, g = (x[0, :, 0].double() for x in xs)
     hk, hv = hk0[0, 0].double(), hv0[0, 0].double()
     outs = []
@@ -92,17 +74,17 @@ def test_naive_fp64_matches_the_definition_step_by_step():
 
 @pytest.mark.parametrize("B,T", [(2, 1), (2, 15), (2, 64), (2, 100), (1, 1000)])
 def test_torch_path_matches_naive(B, T):
-    xs, h0 = make_inputs(B, T, 2, 32, 32, 16, decay="wide", seed=T)
+    xs, h0 = gsa_inputs(B, T, 2, 32, 32, 16, decay="wide", seed=T)
     assert_close(run(chunk_gsa_torch, xs, h0, 0.5), naive(xs, h0, 0.5), CPU_TOL, f"T={T}")
 
 
 def test_torch_path_odd_sizes_default_scale():
-    xs, h0 = make_inputs(1, 45, 2, 20, 12, 24, seed=2)
+    xs, h0 = gsa_inputs(1, 45, 2, 20, 12, 24, seed=2)
     assert_close(run(chunk_gsa_torch, xs, h0, None), naive(xs, h0, None), CPU_TOL, "odd sizes")
 
 
 def test_torch_path_is_the_cpu_default():
-    xs, h0 = make_inputs(1, 20, 1, 16, 16, 16)
+    xs, h0 = gsa_inputs(1, 20, 1, 16, 16, 16)
     o, ht = chunk_gsa(*xs, initial_state=h0, output_final_state=True)
     o2, ht2 = chunk_gsa_torch(*xs, initial_state=h0, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht[0], ht2[0]) and torch.equal(ht[1], ht2[1])
@@ -110,13 +92,13 @@ def test_torch_path_is_the_cpu_default():
 
 def test_torch_path_varlen():
     cu = torch.tensor([0, 5, 37, 38, 100])
-    xs, h0 = make_inputs(1, 100, 2, 32, 16, 16, decay="wide", n_seq=4, seed=3)
+    xs, h0 = gsa_inputs(1, 100, 2, 32, 16, 16, decay="wide", n_seq=4, seed=3)
     assert_close(run(chunk_gsa_torch, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
 
 
 def test_torch_path_stress_decays_t4096():
     # Log gates from -1e-6 to -50 mixed in one sequence: a factorized exp(G_t) * exp(-G_s) would overflow here.
-    xs, h0 = make_inputs(1, 4096, 1, 16, 16, 16, decay="stress", seed=4)
+    xs, h0 = gsa_inputs(1, 4096, 1, 16, 16, 16, decay="stress", seed=4)
     got = run(chunk_gsa_torch, xs, h0, 1.0)
     with torch.no_grad():
         o_ref, (hk_ref, hv_ref) = naive_gsa(*xs, scale=1.0, initial_state=h0, output_final_state=True)
@@ -132,27 +114,27 @@ def test_torch_path_stress_decays_t4096():
 
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 15), (1, 64), (1, 100)])
 def test_triton_interpreter_matches_naive(B, T, interp):
-    xs, h0 = make_inputs(B, T, 2, 32, 32, 16, decay="wide", seed=T)
+    xs, h0 = gsa_inputs(B, T, 2, 32, 32, 16, decay="wide", seed=T)
     assert_close(run(interp, xs, h0, 0.5), naive(xs, h0, 0.5), CPU_TOL, f"T={T}")
 
 
 def test_triton_interpreter_varlen_no_states(interp):
     # no initial state and no final state: the backward runs without dht and stores no dh0
     cu = torch.tensor([0, 5, 37, 38, 100])
-    xs, _ = make_inputs(1, 100, 2, 32, 32, 16, decay="model", n_seq=4, seed=5)
+    xs, _ = gsa_inputs(1, 100, 2, 32, 32, 16, decay="model", n_seq=4, seed=5)
     assert_close(run(interp, xs, None, 1.0, cu, final=False), naive(xs, None, 1.0, cu, final=False), CPU_TOL,
                  "varlen")
 
 
 def test_triton_interpreter_final_state_without_initial_state(interp):
-    xs, _ = make_inputs(2, 40, 1, 16, 32, 16, decay="wide", seed=12)
+    xs, _ = gsa_inputs(2, 40, 1, 16, 32, 16, decay="wide", seed=12)
     assert_close(run(interp, xs, None, 1.0), naive(xs, None, 1.0), CPU_TOL, "no h0, final states")
 
 
 @pytest.mark.parametrize("final_used", [(True, False), (False, True)])
 def test_triton_interpreter_one_final_state_in_the_loss(final_used, interp):
     # autograd hands the backward None for the unused final state's gradient; both states scan in one launch
-    xs, h0 = make_inputs(2, 40, 1, 16, 32, 16, decay="wide", seed=13)
+    xs, h0 = gsa_inputs(2, 40, 1, 16, 32, 16, decay="wide", seed=13)
     assert_close(run(interp, xs, h0, 1.0, final_used=final_used),
                  run(naive_gsa, xs, h0, 1.0, final_used=final_used), CPU_TOL, f"final states used: {final_used}")
 
@@ -164,7 +146,7 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(interp):
 
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
-    xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, 32, n_seq=len(lens), seed=12)
+    xs, h0 = gsa_inputs(1, sum(lens), 2, 32, 64, 32, n_seq=len(lens), seed=12)
     with np.errstate(all="raise"):
         got = run(interp, xs, h0, 1.0, cu)
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
@@ -172,34 +154,34 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(interp):
 
 def test_triton_interpreter_varlen_initial_state(interp):
     cu = torch.tensor([0, 33, 40, 90])
-    xs, h0 = make_inputs(1, 90, 1, 16, 32, 32, decay="wide", n_seq=3, seed=6)
+    xs, h0 = gsa_inputs(1, 90, 1, 16, 32, 32, decay="wide", n_seq=3, seed=6)
     assert_close(run(interp, xs, h0, 1.0, cu), naive(xs, h0, 1.0, cu), CPU_TOL, "varlen h0")
 
 
 @pytest.mark.parametrize("K,V,M", [(20, 12, 24), (72, 40, 100)])
 def test_triton_interpreter_odd_sizes_default_scale(K, V, M, interp):
     # K, V, M between the power-of-two tiles (and M above 64, one slot tile): padded slots stay out of the softmax
-    xs, h0 = make_inputs(1, 45, 2, K, V, M, seed=2)
+    xs, h0 = gsa_inputs(1, 45, 2, K, V, M, seed=2)
     assert_close(run(interp, xs, h0, None), naive(xs, h0, None), CPU_TOL, "odd sizes")
 
 
 @pytest.mark.parametrize("K,V", [(32, 32), (32, 128), (128, 32), (128, 128)])
 @pytest.mark.parametrize("M", [16, 64, 128])
 def test_triton_interpreter_initial_state_kvm(K, V, M, interp):
-    xs, h0 = make_inputs(1, 20, 1, K, V, M, seed=K + V + M)
+    xs, h0 = gsa_inputs(1, 20, 1, K, V, M, seed=K + V + M)
     assert_close(run(interp, xs, h0, None), naive(xs, h0, None), CPU_TOL, f"K={K} V={V} M={M}")
 
 
 @pytest.mark.parametrize("chunk,bd", [(16, 16), (32, 64), (32, 16)])
 def test_triton_interpreter_block_sizes(chunk, bd, interp):
     # chunk sizes change the number of pairwise levels; D tiles smaller than K or V split the state scans
-    xs, h0 = make_inputs(1, 80, 1, 32, 128, 32, decay="wide", seed=chunk + bd)
+    xs, h0 = gsa_inputs(1, 80, 1, 32, 128, 32, decay="wide", seed=chunk + bd)
     assert_close(run(interp, xs, h0, 1.0, settings=Settings(chunk=chunk, scan_bd=bd)), naive(xs, h0, 1.0), CPU_TOL,
                  f"chunk={chunk} BD={bd}")
 
 
 def test_triton_interpreter_stress_decays(interp):
-    xs, h0 = make_inputs(1, 200, 1, 32, 32, 32, decay="stress", seed=7)
+    xs, h0 = gsa_inputs(1, 200, 1, 32, 32, 32, decay="stress", seed=7)
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
@@ -210,7 +192,7 @@ def test_triton_kernel_under_torch_compile(interp):
     def f(q, k, v, s, g):
         return (interp(q * 2, k, v, s, g, scale=0.5)[0] * 3).sum()
 
-    xs, _ = make_inputs(1, 20, 1, 16, 16, 16, decay="wide", seed=1)
+    xs, _ = gsa_inputs(1, 20, 1, 16, 16, 16, decay="wide", seed=1)
     assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
@@ -219,7 +201,7 @@ def test_triton_interpreter_packed_stress_decays(interp):
     # pairwise-decay work apart (A1, A2 kept by _fwd_out, D2 by _bwd_dz): packed sequences with short last chunks,
     # stress decays, initial states
     cu = torch.tensor([0, 5, 45, 64])
-    xs, h0 = make_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=15)
+    xs, h0 = gsa_inputs(1, 64, 2, 32, 32, 32, decay="stress", n_seq=3, seed=15)
     assert_close(run(interp, xs, h0, 1.0, cu), run(naive_gsa, xs, h0, 1.0, cu), CPU_TOL, "packed stress")
 
 
@@ -236,7 +218,7 @@ def test_triton_interpreter_stateless_forward(case, interp):
         K, V = 48, 64
     if case == "bf16":
         dtype, cu = torch.bfloat16, torch.tensor([0, 33, 40, 90])
-    xs, h0 = make_inputs(1, 200 if case == "stress" else 90, 1, K, V, 32, dtype=dtype,
+    xs, h0 = gsa_inputs(1, 200 if case == "stress" else 90, 1, K, V, 32, dtype=dtype,
                          decay="stress" if case == "stress" else "wide", n_seq=3 if cu is not None else None, seed=16)
     got = run(interp, xs, h0, 1.0, cu, final_used=final_used, settings=settings)
     if dtype == torch.bfloat16:   # the final states keep fp32 accuracy; the rest meets the bf16 bar
@@ -253,7 +235,7 @@ def test_triton_interpreter_bf16_split_scans(interp):
     # must keep fp32 accuracy; a plain bf16 rounding of the weights is ~3e-3 off (dropping lo). Everything else is
     # bf16 and meets the bf16 bar. Stored-state forward here (few sequence-heads).
     cu = torch.tensor([0, 33, 40, 100])
-    xs, h0 = make_inputs(1, 100, 1, 32, 32, 32, dtype=torch.bfloat16, decay="wide", n_seq=3, seed=14)
+    xs, h0 = gsa_inputs(1, 100, 1, 32, 32, 32, dtype=torch.bfloat16, decay="wide", n_seq=3, seed=14)
     got = run(interp, xs, h0, 1.0, cu)
     ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0, cu)
     assert_close(got[1:3], ref[1:3], CPU_TOL, "final states, bf16", names=NAMES[1:3])
@@ -264,7 +246,7 @@ def test_triton_interpreter_bf16_products_stress(interp):
     # bf16 inputs take bf16 products where the kernel allows them; the interpreter rounds their operands as the GPU
     # does (tl_utils.round_bf16) and multiplies exactly, so their error shows on CPU: within the bf16 bar under the
     # stress gates (and visibly apart from the same kernel's fp32-operand products, so they did run)
-    xs, h0 = make_inputs(1, 200, 2, 64, 64, 64, dtype=torch.bfloat16, decay="stress", seed=17)
+    xs, h0 = gsa_inputs(1, 200, 2, 64, 64, 64, dtype=torch.bfloat16, decay="stress", seed=17)
     ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0)
     got = run(interp, xs, h0, 1.0)
     assert_close(got, ref, GPU_TOL, "bf16 products, stress")
@@ -285,7 +267,7 @@ def test_triton_interpreter_bf16_gate_gradient_extreme_decays(interp):
     # log gates near -50, no initial state: dg is what is left where each pair's decay enters row t (+G_t, through
     # the logits and p) and row s (-G_s, through ds) and cancels. ds's within-chunk levels take fp32 operands as the
     # logits' do: with bf16 ones (the interpreter rounds them as the GPU does) dg was 9.9e-3 off fp64 here, 1.8e-3 now
-    xs, _ = make_inputs(1, 64, 1, 32, 64, 64, dtype=torch.bfloat16, decay="extreme", seed=96)
+    xs, _ = gsa_inputs(1, 64, 1, 32, 64, 64, dtype=torch.bfloat16, decay="extreme", seed=96)
     ref = run(naive_gsa, [x.double() for x in xs], None, 1.0)
     got = run(interp, xs, None, 1.0)
     assert_close(got, ref, GPU_TOL, "bf16, extreme gates")
@@ -299,7 +281,7 @@ def test_triton_interpreter_fp16_states(v_scale, interp):
     # states: the stored-state forward here, the backward's rescan and reverse scan). Values of any range keep
     # their 11 significant bits: v at 1e-30 (fp16 would flush the value states to 0) and 1e30 (fp16 would overflow)
     # meet the bf16 bar as at 1, and against the same kernel with fp32 states the errors are the same size.
-    xs, h0 = make_inputs(1, 100, 2, 32, 32, 32, dtype=torch.bfloat16, decay="wide", seed=18)
+    xs, h0 = gsa_inputs(1, 100, 2, 32, 32, 32, dtype=torch.bfloat16, decay="wide", seed=18)
     xs[2], h0 = (xs[2] * v_scale).to(torch.bfloat16), (h0[0], h0[1] * v_scale)
     ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0)
     settings = dict(scan_bd=32, stateless_forward=False)
@@ -330,7 +312,7 @@ def gpu_ref(xs, h0, scale, cu=None):
     (2, 1, 4, 64, 64, 64), (2, 15, 4, 64, 64, 64), (2, 64, 4, 64, 64, 64), (2, 100, 4, 64, 64, 64),
     (2, 1000, 4, 64, 64, 64), (2, 4096, 2, 64, 64, 64), (1, 4096, 2, 256, 256, 64), (1, 16384, 2, 64, 64, 64)])
 def test_gpu_bf16_matches_naive(B, T, H, K, V, M):
-    xs, h0 = make_inputs(B, T, H, K, V, M, device="cuda", dtype=torch.bfloat16, seed=T + K)
+    xs, h0 = gsa_inputs(B, T, H, K, V, M, device="cuda", dtype=torch.bfloat16, seed=T + K)
     got = run(chunk_gsa, xs, h0, None)
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32 and got[-1].dtype == torch.float32
     assert_close(got, gpu_ref(xs, h0, K ** -0.5), GPU_TOL, f"{B=} {T=} {H=} {K=} {V=} {M=}")
@@ -341,7 +323,7 @@ def test_gpu_bf16_matches_naive(B, T, H, K, V, M):
     (64, 64, 32), (64, 128, 64), (64, 256, 128), (128, 64, 128), (128, 128, 32), (128, 256, 64),
     (256, 64, 64), (256, 128, 128), (256, 256, 32)])
 def test_gpu_initial_state_kvm(K, V, M):
-    xs, h0 = make_inputs(1, 300, 2, K, V, M, device="cuda", dtype=torch.bfloat16, seed=K * V + M)
+    xs, h0 = gsa_inputs(1, 300, 2, K, V, M, device="cuda", dtype=torch.bfloat16, seed=K * V + M)
     assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"{K=} {V=} {M=}")
 
 
@@ -349,7 +331,7 @@ def test_gpu_initial_state_kvm(K, V, M):
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("bd", [16, 32, 64])
 def test_gpu_block_sizes(chunk, bd):
-    xs, h0 = make_inputs(1, 300, 2, 128, 64, 64, device="cuda", dtype=torch.bfloat16, seed=chunk + bd)
+    xs, h0 = gsa_inputs(1, 300, 2, 128, 64, 64, device="cuda", dtype=torch.bfloat16, seed=chunk + bd)
     assert_close(run(chunk_gsa, xs, h0, None, settings=Settings(chunk=chunk, scan_bd=bd)), naive(xs, h0, None),
                  GPU_TOL, f"{chunk=} {bd=}")
 
@@ -358,14 +340,14 @@ def test_gpu_block_sizes(chunk, bd):
 def test_gpu_varlen_many_sequences():
     lens = [1, 15, 16, 17, 64, 100, 333, 1000, 7]
     cu = torch.tensor([0] + lens).cumsum(0).cuda()
-    xs, h0 = make_inputs(1, sum(lens), 4, 64, 64, 64, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=8)
+    xs, h0 = gsa_inputs(1, sum(lens), 4, 64, 64, 64, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=8)
     assert_close(run(chunk_gsa, xs, h0, None, cu), naive(xs, h0, None, cu), GPU_TOL, "varlen")
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_stress_decays_t4096(dtype):
-    xs, h0 = make_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=dtype, decay="stress", seed=9)
+    xs, h0 = gsa_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=dtype, decay="stress", seed=9)
     assert_close(run(chunk_gsa, xs, h0, None), naive(xs, h0, None), GPU_TOL, f"stress {dtype}")
 
 
@@ -375,13 +357,13 @@ def test_gpu_stress_decays_t4096(dtype):
 def test_gpu_extreme_decays_no_initial_state(T, K):
     # log gates near -50: the gate's gradient is what is left of terms that cancel (every pair's decay reaches row t
     # with +G_t and row s with -G_s), so it is the first to show products that round the two sides apart
-    xs, _ = make_inputs(2, T, 2, K, 64, 64, device="cuda", dtype=torch.bfloat16, decay="extreme", seed=T + K)
+    xs, _ = gsa_inputs(2, T, 2, K, 64, 64, device="cuda", dtype=torch.bfloat16, decay="extreme", seed=T + K)
     assert_close(run(chunk_gsa, xs, None, 1.0), naive(xs, None, 1.0), EXTREME_TOL, f"extreme {T=} {K=}")
 
 
 @gpu
 def test_gpu_matches_cpu_torch_path():
-    xs, h0 = make_inputs(2, 300, 2, 64, 64, 32, device="cuda", dtype=torch.float32, decay="wide", seed=10)
+    xs, h0 = gsa_inputs(2, 300, 2, 64, 64, 32, device="cuda", dtype=torch.float32, decay="wide", seed=10)
     got = run(chunk_gsa, xs, h0, None)
     cpu = run(chunk_gsa_torch, [x.cpu() for x in xs], tuple(h.cpu() for h in h0), None)
     assert_close(got, cpu, GPU_TOL, "gpu (tf32 products) vs cpu path")
@@ -398,10 +380,10 @@ VARIANTS = [dict(stateless_forward=True), dict(stateless_forward=False), dict(sc
 @pytest.mark.parametrize("fields", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_gpu_settings_match_naive(fields):
     settings = Settings(**fields)
-    xs, h0 = make_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=torch.bfloat16, decay="stress", seed=11)
+    xs, h0 = gsa_inputs(1, 4096, 2, 64, 64, 64, device="cuda", dtype=torch.bfloat16, decay="stress", seed=11)
     assert_close(run(chunk_gsa, xs, h0, 1.0, settings=settings), naive(xs, h0, 1.0), GPU_TOL, f"stress {fields}")
     lens = [1, 17, 300, 64, 90]
     cu = torch.tensor([0] + lens).cumsum(0).cuda()
-    xs, h0 = make_inputs(1, sum(lens), 2, 64, 128, 32, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=12)
+    xs, h0 = gsa_inputs(1, sum(lens), 2, 64, 128, 32, device="cuda", dtype=torch.bfloat16, n_seq=len(lens), seed=12)
     assert_close(run(chunk_gsa, xs, h0, 1.0, cu, final_used=(False, True), settings=settings),
                  run(naive_gsa, xs, h0, 1.0, cu, final_used=(False, True)), GPU_TOL, f"varlen {fields}")

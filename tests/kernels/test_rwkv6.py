@@ -14,26 +14,12 @@ from kernels.rwkv6 import chunk_rwkv6, chunk_rwkv6_torch, naive_rwkv6, recurrent
 from kernels.rwkv6.chunk import Settings
 from tests.kernels import common
 from tests.kernels.common import CPU_TOL, run
+from tests.kernels.inputs import rwkv6_inputs
 
 NAMES = ("o", "ht", "dr", "dk", "dv", "dw", "du", "dh0")
 
 
-def make_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, decay="model", seed=0, n_seq=None):
-    """RWKV-6-shaped inputs: r, k, v, log decay w <= 0 (fp32), bonus u [H, K]; and initial states."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    r, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V)
-    if decay == "model":      # the RWKV-6 layer's initial range: -exp(d), d in [-6, -1]
-        w = -torch.exp(torch.empty(B, T, H, K).uniform_(-6, -1, generator=gen))
-    else:                     # "wide" or "stress"
-        w = common.log_decays((B, T, H, K), decay, gen)
-    u = rnd(H, K)
-    xs = [x.to(device=device, dtype=torch.float32 if i == 3 else dtype) for i, x in enumerate((r, k, v, w, u))]
-    h0 = rnd(B if n_seq is None else n_seq, H, K, V).to(device)
-    return xs, h0
-
-
-OP = common.ChunkOp(chunk_rwkv6, chunk_rwkv6_torch, naive_rwkv6, make_inputs, NAMES)
+OP = common.ChunkOp(chunk_rwkv6, chunk_rwkv6_torch, naive_rwkv6, rwkv6_inputs, NAMES)
 naive, assert_close = OP.naive, OP.assert_close
 
 
@@ -48,7 +34,7 @@ def interp():
 def test_naive_matches_attention_form_definition():
     # o_t = scale (r_t^T (prod_{j<t} e^{w_j}) S_0 + sum_{s<t} (r_t * prod_{s<j<t} e^{w_j} * k_s) . 1 v_s
     #              + (r_t . (u * k_t)) v_t), written as explicit products over the sequence
-    xs, h0 = make_inputs(2, 9, 2, 4, 3, decay="wide")
+    xs, h0 = rwkv6_inputs(2, 9, 2, 4, 3, decay="wide")
     r, k, v, w, u = (x.double() for x in xs)
     h0 = h0.double()
     o = torch.zeros_like(v)
@@ -70,7 +56,7 @@ def test_torch_path_matches_naive(B, T):
 
 
 def test_torch_path_is_the_cpu_default_and_scale_defaults_to_k():
-    xs, h0 = make_inputs(1, 20, 1, 16, 16)
+    xs, h0 = rwkv6_inputs(1, 20, 1, 16, 16)
     o, ht = chunk_rwkv6(*xs, initial_state=h0, output_final_state=True)
     o2, ht2 = chunk_rwkv6_torch(*xs, scale=16 ** -0.5, initial_state=h0, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
@@ -85,7 +71,7 @@ def test_torch_path_stress_decays_t4096():
 
 
 def test_step_matches_naive():
-    xs, h0 = make_inputs(2, 12, 2, 16, 8, decay="wide", seed=5)
+    xs, h0 = rwkv6_inputs(2, 12, 2, 16, 8, decay="wide", seed=5)
     r, k, v, w, u = xs
     o_ref, ht_ref = naive_rwkv6(*xs, initial_state=h0, output_final_state=True)
     state, outs = h0.clone(), []
@@ -104,7 +90,7 @@ def test_step_matches_naive():
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 15), (1, 64), (1, 100)])
 def test_triton_interpreter_matches_naive(B, T, chunk, interp):
-    xs, h0 = make_inputs(B, T, 2, 32, 32, decay="wide", seed=T)
+    xs, h0 = rwkv6_inputs(B, T, 2, 32, 32, decay="wide", seed=T)
     got = run(interp, xs, h0, 0.5, settings=Settings(chunk=chunk))
     assert_close(got, naive(xs, h0, 0.5), CPU_TOL, f"T={T} chunk={chunk}")
 
@@ -113,7 +99,7 @@ def test_triton_interpreter_matches_naive(B, T, chunk, interp):
 def test_triton_interpreter_varlen(chunk, interp):
     # sequences shorter than a chunk, exactly a chunk and longer; the spare chunk programs of a packed batch
     cu = torch.tensor([0, 5, 37, 38, 70])
-    xs, h0 = make_inputs(1, 70, 1, 32, 32, decay="wide", n_seq=4, seed=5)
+    xs, h0 = rwkv6_inputs(1, 70, 1, 32, 32, decay="wide", n_seq=4, seed=5)
     got = run(interp, xs, h0, 1.0, cu, settings=Settings(chunk=chunk))
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
     assert_close(run(interp, xs, None, 1.0, cu, settings=Settings(chunk=chunk)), naive(xs, None, 1.0, cu),
@@ -130,7 +116,7 @@ def test_triton_interpreter_initial_state_kv_pairs(K, V, interp):
 @pytest.mark.parametrize("scan_bv,chunk_bv", [(16, 16), (32, 32), (64, 64)])
 def test_triton_interpreter_initial_state_v_tiles(K, V, scan_bv, chunk_bv, interp):
     # every V tile of the scans and of the per-chunk kernels' V loops, K != V both ways
-    xs, h0 = make_inputs(1, 20, 1, K, V, seed=scan_bv + K)
+    xs, h0 = rwkv6_inputs(1, 20, 1, K, V, seed=scan_bv + K)
     got = run(interp, xs, h0, 1.0, settings=Settings(scan_bv=scan_bv, chunk_bv=chunk_bv))
     assert_close(got, naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V} scan_bv={scan_bv} chunk_bv={chunk_bv}")
 
@@ -140,7 +126,7 @@ def test_triton_interpreter_wide_heads(K, V, interp):
     # K x V past 128 x 128: the per-chunk kernels loop over narrower V tiles (Settings.chunk_tile), so that their
     # shared memory fits an H100 block (the sm_90 compile test builds these)
     assert Settings().chunk_tile(K, V) == 8192 // K
-    xs, h0 = make_inputs(1, 20, 1, K, V, seed=K + V)
+    xs, h0 = rwkv6_inputs(1, 20, 1, K, V, seed=K + V)
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V}")
 
 
@@ -163,7 +149,7 @@ def test_triton_interpreter_stress_decays(chunk, interp):
     # log decays -1e-6 .. -50: no overflow or invalid value anywhere, masked or not
     import numpy as np
 
-    xs, h0 = make_inputs(1, 200, 1, 32, 32, decay="stress", seed=6)
+    xs, h0 = rwkv6_inputs(1, 200, 1, 32, 32, decay="stress", seed=6)
     with np.errstate(over="raise", invalid="raise"):
         got = run(interp, xs, h0, 1.0, settings=Settings(chunk=chunk))
     assert_close(got, naive(xs, h0, 1.0), CPU_TOL, "stress")
@@ -172,7 +158,7 @@ def test_triton_interpreter_stress_decays(chunk, interp):
 @pytest.mark.parametrize("block_chunks,with_h0", [(1, True), (2, False)])
 def test_triton_interpreter_blocked_scan(block_chunks, with_h0, interp):
     # two sequences of 40 tokens, chunks of 16: blocks of 1 chunk, or of 2 with a short last block and chunk
-    xs, h0 = make_inputs(2, 40, 1, 32, 32, decay="wide", seed=20 + block_chunks)
+    xs, h0 = rwkv6_inputs(2, 40, 1, 32, 32, decay="wide", seed=20 + block_chunks)
     h0 = h0 if with_h0 else None
     s = Settings(chunk=16, blocked_scan=True, block_chunks=block_chunks, block_bv=16)
     assert_close(run(interp, xs, h0, 0.5, settings=s), naive(xs, h0, 0.5), CPU_TOL, f"blocks of {block_chunks}")
@@ -183,7 +169,7 @@ def test_triton_interpreter_blocked_scan_varlen_stress(interp):
     import numpy as np
 
     cu = torch.tensor([0, 5, 37, 38, 110])
-    xs, h0 = make_inputs(1, 110, 1, 32, 64, decay="stress", n_seq=4, seed=23)
+    xs, h0 = rwkv6_inputs(1, 110, 1, 32, 64, decay="stress", n_seq=4, seed=23)
     s = Settings(chunk=16, blocked_scan=True, block_chunks=2, block_bv=32, scan_bv=16)
     with np.errstate(over="raise", invalid="raise"):
         got = run(interp, xs, h0, 1.0, cu, settings=s)

@@ -6,8 +6,6 @@ slow). GPU (`-m gpu`): the Triton kernel in bf16 over the broad shape sweep. Met
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,29 +15,12 @@ from kernels.rwkv7.chunk import Settings
 from kernels.rwkv7.decay import log_decay
 from tests.kernels import common
 from tests.kernels.common import CPU_TOL, GPU_TOL, run
+from tests.kernels.inputs import rwkv7_inputs, rwkv7_logit_inputs
 
 NAMES = ("o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0")
 
 
-def make_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, decay="model", seed=0, n_seq=None):
-    """RWKV-7-shaped inputs: a = -kk, b = kk * rate (kk unit-norm per head), log decay w <= 0 (fp32)."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    r, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V)
-    kk = F.normalize(rnd(B, T, H, K), dim=-1)
-    rate = torch.rand(B, T, H, K, generator=gen)
-    if decay == "model":      # the RWKV-7 layer's range: -exp(-0.5) * sigmoid(.)
-        w = -math.exp(-0.5) * torch.sigmoid(2 * rnd(B, T, H, K))
-    else:                     # "wide" or "stress"
-        w = common.log_decays((B, T, H, K), decay, gen)
-    xs = [r, w, k, v, -kk, kk * rate]
-    xs = [x.to(device=device, dtype=torch.float32 if i == 1 else dtype) for i, x in enumerate(xs)]
-    N = B if n_seq is None else n_seq
-    h0 = rnd(N, H, K, V).to(device)
-    return xs, h0
-
-
-OP = common.ChunkOp(chunk_rwkv7, chunk_rwkv7_torch, naive_rwkv7, make_inputs, NAMES)
+OP = common.ChunkOp(chunk_rwkv7, chunk_rwkv7_torch, naive_rwkv7, rwkv7_inputs, NAMES)
 naive, assert_close = OP.naive, OP.assert_close
 
 
@@ -57,7 +38,7 @@ def test_torch_path_matches_naive(B, T):
 
 
 def test_torch_path_is_the_cpu_default():
-    xs, h0 = make_inputs(1, 20, 1, 16, 16)
+    xs, h0 = rwkv7_inputs(1, 20, 1, 16, 16)
     o, ht = chunk_rwkv7(*xs, initial_state=h0, output_final_state=True)
     o2, ht2 = chunk_rwkv7_torch(*xs, initial_state=h0, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
@@ -76,13 +57,13 @@ def test_torch_path_stress_decays_t4096():
 
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 15), (1, 64), (1, 100)])
 def test_triton_interpreter_matches_naive(B, T, interp):
-    xs, h0 = make_inputs(B, T, 2, 32, 32, decay="wide", seed=T)
+    xs, h0 = rwkv7_inputs(B, T, 2, 32, 32, decay="wide", seed=T)
     assert_close(run(interp, xs, h0, 0.5), naive(xs, h0, 0.5), CPU_TOL, f"T={T}")
 
 
 def test_triton_interpreter_varlen_no_initial_state(interp):
     cu = torch.tensor([0, 5, 37, 38, 100])
-    xs, _ = make_inputs(1, 100, 2, 32, 32, decay="wide", n_seq=4, seed=5)
+    xs, _ = rwkv7_inputs(1, 100, 2, 32, 32, decay="wide", n_seq=4, seed=5)
     assert_close(run(interp, xs, None, 1.0, cu), naive(xs, None, 1.0, cu), CPU_TOL, "varlen")
 
 
@@ -95,7 +76,7 @@ def test_triton_interpreter_initial_state_kv_pairs(K, V, interp):
 @pytest.mark.parametrize("K,V", [(32, 128), (128, 32)])
 @pytest.mark.parametrize("bv", [16, 64])
 def test_triton_interpreter_initial_state_block_sizes(K, V, bv, interp):
-    xs, h0 = make_inputs(1, 20, 1, K, V, seed=bv)
+    xs, h0 = rwkv7_inputs(1, 20, 1, K, V, seed=bv)
     got = run(interp, xs, h0, 1.0, settings=Settings(scan_bv=bv))
     assert_close(got, naive(xs, h0, 1.0), CPU_TOL, f"K={K} V={V} BV={bv}")
 
@@ -113,7 +94,7 @@ def test_triton_interpreter_sequence_and_blocked_scans(scan, K, V, decay, T, len
         settings = Settings(blocked_scan=True, block_chunks=int(scan.split()[-1]))
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
     T = T or sum(lens)
-    xs, h0 = make_inputs(1, T, 2, K, V, decay=decay, n_seq=1 if lens is None else len(lens), seed=K + T)
+    xs, h0 = rwkv7_inputs(1, T, 2, K, V, decay=decay, n_seq=1 if lens is None else len(lens), seed=K + T)
     got = run(interp, xs, h0, 0.7, cu, settings=settings)
     assert_close(got, naive(xs, h0, 0.7, cu), CPU_TOL, f"{scan} K={K} V={V} lens={lens}")
 
@@ -125,7 +106,7 @@ def test_blocked_scans_are_chosen_for_few_sequences():
 
 
 def test_triton_interpreter_stress_decays(interp):
-    xs, h0 = make_inputs(1, 200, 1, 32, 32, decay="stress", seed=6)
+    xs, h0 = rwkv7_inputs(1, 200, 1, 32, 32, decay="stress", seed=6)
     assert_close(run(interp, xs, h0, 1.0), naive(xs, h0, 1.0), CPU_TOL, "stress")
 
 
@@ -152,7 +133,7 @@ def test_triton_kernel_under_torch_compile(interp):
     def f(r, w, k, v, a, b):
         return (interp(r * 2, w, k, v, a, b, scale=0.5)[0] * 3).sum()
 
-    xs, _ = make_inputs(1, 20, 1, 16, 16, decay="wide", seed=1)
+    xs, _ = rwkv7_inputs(1, 20, 1, 16, 16, decay="wide", seed=1)
     assert_compiled_matches_eager(f, [x.requires_grad_(True) for x in xs])
 
 
@@ -164,7 +145,7 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(blocked, interp):
 
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
-    xs, h0 = make_inputs(1, sum(lens), 2, 32, 64, n_seq=len(lens), seed=11)
+    xs, h0 = rwkv7_inputs(1, sum(lens), 2, 32, 64, n_seq=len(lens), seed=11)
     with np.errstate(all="raise"):
         got = run(interp, xs, h0, 1.0, cu, settings=Settings(blocked_scan=blocked))
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, f"varlen blocked={blocked}")
@@ -173,16 +154,6 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(blocked, interp):
 # ---------------------------------------------------------------- the decay from its logits (w_bias)
 
 LOGIT_NAMES = ("o", "ht", "dr", "dz", "dw_bias", "dk", "dv", "da", "db", "dh0")
-
-
-def logit_inputs(B, T, H, K, V, *, device="cpu", dtype=torch.float32, seed=0, n_seq=None, spread=3.0):
-    """make_inputs with RWKV-7's decay logits z [B, T, H, K] (in dtype) and bias [H * K] (fp32) instead of w:
-    `spread` sets how far z + bias reaches into the sigmoid's flat ends (logits of -6 .. 6 and beyond)."""
-    xs, h0 = make_inputs(B, T, H, K, V, device=device, dtype=dtype, seed=seed, n_seq=n_seq)
-    gen = torch.Generator().manual_seed(seed + 1)
-    z = (spread * torch.randn(B, T, H, K, generator=gen)).to(device=device, dtype=dtype)
-    bias = torch.linspace(-spread, spread, H * K)[torch.randperm(H * K, generator=gen)].to(device)
-    return xs, z, bias, h0
 
 
 def run_logits(fn, xs, z, bias, h0, scale, cu=None, **kw):
@@ -219,7 +190,7 @@ def test_log_decay_is_rwkv7s():
 @pytest.mark.parametrize("T,lens", [(100, None), (None, [1, 17, 64, 9])])
 def test_torch_path_decay_from_logits(T, lens):
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
-    xs, z, bias, h0 = logit_inputs(1, T or sum(lens), 2, 32, 32, n_seq=1 if lens is None else len(lens), seed=3)
+    xs, z, bias, h0 = rwkv7_logit_inputs(1, T or sum(lens), 2, 32, 32, n_seq=1 if lens is None else len(lens), seed=3)
     got = run_logits(chunk_rwkv7, xs, z, bias, h0, 0.5, cu)
     common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, "torch path", LOGIT_NAMES)
 
@@ -229,14 +200,14 @@ def test_triton_interpreter_decay_from_logits(T, lens, interp):
     # fp32: the log decay formed in _fwd_prep (padded rows stay at w = 0) and the logits' gradient through the sigmoid
     # in _bwd_chunk, against autograd through the fp64 recurrence; the bias's gradient is their sum over tokens.
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
-    xs, z, bias, h0 = logit_inputs(1, T or sum(lens), 2, 32, 64, n_seq=1 if lens is None else len(lens), seed=4)
+    xs, z, bias, h0 = rwkv7_logit_inputs(1, T or sum(lens), 2, 32, 64, n_seq=1 if lens is None else len(lens), seed=4)
     got = run_logits(interp, xs, z, bias, h0, 0.5, cu)
     common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, "interpreter", LOGIT_NAMES)
 
 
 def test_triton_interpreter_decay_from_bf16_logits(interp):
     # As the model calls it: bf16 inputs and logits, bf16 products; the logits' gradient comes back in bf16.
-    xs, z, bias, h0 = logit_inputs(1, 200, 2, 64, 64, dtype=torch.bfloat16, seed=5)
+    xs, z, bias, h0 = rwkv7_logit_inputs(1, 200, 2, 64, 64, dtype=torch.bfloat16, seed=5)
     got = run_logits(interp, xs, z, bias, h0, 1.0)
     assert got[3].dtype == torch.bfloat16 and got[4].dtype == torch.float32
     common.assert_close(got, logits_reference(xs, z, bias, h0, 1.0), GPU_TOL, "bf16 logits", LOGIT_NAMES)
@@ -269,7 +240,7 @@ def test_gpu_initial_state_kv_pairs(K, V):
 @pytest.mark.parametrize("K,V", [(64, 128), (128, 64), (32, 32)])
 @pytest.mark.parametrize("bv", [16, 64])
 def test_gpu_initial_state_block_sizes(K, V, bv):
-    xs, h0 = make_inputs(1, 150, 2, K, V, device="cuda", dtype=torch.bfloat16, seed=bv)
+    xs, h0 = rwkv7_inputs(1, 150, 2, K, V, device="cuda", dtype=torch.bfloat16, seed=bv)
     got = run(chunk_rwkv7, xs, h0, 1.0, settings=Settings(scan_bv=bv))
     assert_close(got, naive(xs, h0, 1.0), GPU_TOL, f"{K=} {V=} {bv=}")
 
@@ -285,7 +256,7 @@ def test_gpu_stress_decays_t4096(dtype):
 def test_gpu_decay_from_logits(B, T, H, lens):
     # bf16 logits (the 0.6B layer's heads, and packed sequences) against the fp64 recurrence on their log decays
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0).cuda()
-    xs, z, bias, h0 = logit_inputs(B, T or sum(lens), H, 64, 64, device="cuda", dtype=torch.bfloat16, seed=6,
+    xs, z, bias, h0 = rwkv7_logit_inputs(B, T or sum(lens), H, 64, 64, device="cuda", dtype=torch.bfloat16, seed=6,
                                    n_seq=None if lens is None else len(lens))
     got = run_logits(chunk_rwkv7, xs, z, bias, h0, 1.0, cu)
     common.assert_close(got, logits_reference(xs, z, bias, h0, 1.0, cu), GPU_TOL, "gpu logits", LOGIT_NAMES)
