@@ -57,6 +57,14 @@ def as_varlen(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.
     return cu_seqlens.to(device=device, dtype=torch.int32)
 
 
+def packed_rows(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device):
+    """The Triton paths' packing of a call: the sequences' int32 offsets (as_varlen; cu_seqlens needs B == 1) and a
+    function giving a [B, T, H, D] input as one contiguous packed row [1, B * T, H, D]."""
+    if cu_seqlens is not None:
+        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
+    return as_varlen(B, T, cu_seqlens, device), lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()
+
+
 def chunk_tables(cu_seqlens: torch.Tensor, chunk: int, total: int, seq_len: int | None = None):
     """(chunk_offsets [N+1]: first global chunk of each sequence, chunk_index [NT, 2]: (sequence, chunk in it), NT).
 

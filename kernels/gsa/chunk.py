@@ -24,8 +24,8 @@ import torch
 from kernels.gsa.torch_chunk import chunk_gsa_torch
 from kernels.launch import launch, register_fake
 from kernels.settings import from_text, to_text
-from kernels.utils import (as_varlen, check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
-                           scan_tile)
+from kernels.utils import (check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
+                           packed_rows, scan_tile)
 
 try:
     import triton
@@ -391,12 +391,9 @@ def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, c
     B, T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     check_head_sizes("chunk_gsa", {"K": K, "V": V, "M": M}, {"M": MAX_SLOTS})
-    if cu_seqlens is not None:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
     BT = st.chunk_len(M)
     assert BT >= 16 and BT & (BT - 1) == 0, "the chunk must be a power of two >= 16"
-    cu = as_varlen(B, T, cu_seqlens, q.device)
-    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    cu, flat = packed_rows(B, T, H, cu_seqlens, q.device)
     # The gate stays fp32 whatever the model's dtype (bf16 log gates near 0 lose the slow slots).
     q_, k_, v_, s_ = (flat(x) for x in (q, k, v, s))
     g_ = flat(g.float())

@@ -25,7 +25,7 @@ import torch
 from kernels.launch import launch, register_fake
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
 from kernels.settings import from_text, to_text
-from kernels.utils import as_varlen, check_head_sizes, chunk_count, chunk_tables, next_pow2, scan_tile
+from kernels.utils import check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
 
 
 @dataclass(frozen=True)
@@ -247,10 +247,7 @@ MAX_K = 256
 def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, settings: str):
     B, T, H, K = r.shape
     V = v.shape[-1]
-    if cu_seqlens is not None:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-    cu = as_varlen(B, T, cu_seqlens, r.device)
-    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    cu, flat = packed_rows(B, T, H, cu_seqlens, r.device)
     # The decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels).
     r_, k_, v_ = (flat(x) for x in (r, k, v))
     w_ = flat(w.float())

@@ -26,7 +26,7 @@ from kernels.launch import launch, register_fake
 from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import from_text, to_text
-from kernels.utils import as_varlen, check_head_sizes, chunk_count, chunk_tables, next_pow2, scan_tile
+from kernels.utils import check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
 
 
 BWD_WARPS = 4
@@ -289,10 +289,7 @@ def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_sta
                         settings: str):
     B, T, H, K = r.shape
     V = v.shape[-1]
-    if cu_seqlens is not None:
-        assert B == 1, "cu_seqlens needs B == 1 (sequences packed along T)"
-    cu = as_varlen(B, T, cu_seqlens, r.device)
-    flat = lambda x: x.reshape(1, B * T, H, x.shape[-1]).contiguous()  # noqa: E731
+    cu, flat = packed_rows(B, T, H, cu_seqlens, r.device)
     # The log decay stays fp32 whatever the model's dtype (bf16 log decays near 0 lose the slow channels); logits are
     # taken as they come (the kernel forms the log decay from them in fp32).
     r_, k_, v_, a_, b_ = (flat(x) for x in (r, k, v, a, b))
