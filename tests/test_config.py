@@ -66,3 +66,20 @@ def test_launcher_rejects_bad_config_before_starting(tmp_path):
     assert proc.returncode == 2
     assert "training.seq_len: expected an integer >= 1, got 0" in proc.stderr
     assert not dump.exists()
+
+
+@pytest.mark.parametrize("config,override,key,limit", [
+    ("configs/rwkv7_0.6B.toml", "--model.head_dim=256", "model.head_dim", "chunk_rwkv7"),
+    ("configs/rwkv6_1.5B.toml", "--model.head_dim=512", "model.head_dim", "chunk_rwkv6"),
+    ("configs/gsa_tiny.toml", "--model.num_slots=512", "model.num_slots", "chunk_gsa"),
+])
+def test_head_sizes_beyond_the_kernels_stop_at_the_config(capsys, config, override, key, limit):
+    """The config refuses what the Triton kernel would refuse at the first step, with the kernel's own limit."""
+    from kernels.gsa.chunk import MAX_SLOTS
+    from kernels.rwkv6.chunk import MAX_K as RWKV6_MAX_K
+    from kernels.rwkv7.chunk import MAX_K as RWKV7_MAX_K
+
+    most = {"chunk_rwkv7": RWKV7_MAX_K, "chunk_rwkv6": RWKV6_MAX_K, "chunk_gsa": MAX_SLOTS}[limit]
+    line = exit_line(capsys, main, ["--config", str(REPO / config), override])
+    assert line.endswith(f" {key}: expected at most {most} (the largest the Triton kernel builds), got "
+                         f"{override.split('=')[1]}"), line

@@ -24,6 +24,7 @@ from flame.models import register
 from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, packed_prompts,
                                  positions_from_cu_seqlens)
 from kernels.gsa import chunk_gsa, chunk_gsa_from_projection, feature_maps
+from kernels.gsa.chunk import MAX_SLOTS
 from kernels.gsa.step import recurrent_step
 from kernels.silu_rms_norm import silu_rms_norm
 
@@ -66,6 +67,8 @@ class GSAArgs(ModelArgs):
             check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
         check(self.hidden_size % self.num_heads == 0, "model.num_heads", "a divisor of model.hidden_size",
               self.num_heads)
+        check(self.num_slots <= MAX_SLOTS, "model.num_slots", f"at most {MAX_SLOTS} (the largest the Triton kernel "
+              "builds)", self.num_slots)
         check(self.gate_logit_normalizer > 0, "model.gate_logit_normalizer", "a number > 0",
               self.gate_logit_normalizer)
         check(self.intermediate_size is None or self.intermediate_size >= 1, "model.intermediate_size",

@@ -21,6 +21,7 @@ from flame.models import register
 from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, token_shift,
                                       norm_shift_mix_cached)
 from kernels.rwkv6 import chunk_rwkv6
+from kernels.rwkv6.chunk import MAX_K
 from kernels.rwkv6.step import recurrent_step
 
 LN_X_EPS = 64e-5
@@ -52,6 +53,8 @@ class RWKV6Args(ModelArgs):
         for key in ("hidden_size", "num_layers", "head_dim", "mix_low_rank", "decay_low_rank"):
             check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
         check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
+              self.head_dim)
+        check(self.head_dim <= MAX_K, "model.head_dim", f"at most {MAX_K} (the largest the Triton kernel builds)",
               self.head_dim)
         check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
               self.num_layers)

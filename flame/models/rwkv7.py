@@ -19,6 +19,7 @@ from flame.config import ModelArgs, check
 from flame.models import register
 from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, norm_shift_mix_cached, ortho_init
 from kernels.rwkv7 import chunk_rwkv7
+from kernels.rwkv7.chunk import MAX_K
 from kernels.rwkv7.decay import log_decay
 from kernels.rwkv7.step import recurrent_step
 from kernels.rwkv7_key import rwkv7_key
@@ -57,6 +58,8 @@ class RWKV7Args(ModelArgs):
         for key in ("hidden_size", "num_layers", "head_dim", "ffn_mult"):
             check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
         check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
+              self.head_dim)
+        check(self.head_dim <= MAX_K, "model.head_dim", f"at most {MAX_K} (the largest the Triton kernel builds)",
               self.head_dim)
         check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
               self.num_layers)
