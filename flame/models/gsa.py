@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.config import ModelArgs, check
+from flame.context_parallel import Piece, chunk_gsa_cp, last_tokens_of_piece, make_piece, previous_tokens
 from flame.models import register
 from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, packed_prompts,
                                  positions_from_cu_seqlens)
@@ -140,6 +141,17 @@ def cached_conv(conv: ShortConv, x: torch.Tensor, prev: torch.Tensor, positions:
     return conv(joined)[:, n:]
 
 
+def conv_cp(conv: ShortConv, x: torch.Tensor, positions: torch.Tensor | None, piece: Piece) -> torch.Tensor:
+    """conv(x) for one piece of a context-parallel row: each row's first document reads on into the previous rank's
+    last (size - 1) inputs where they belong to the same document."""
+    n = conv.size - 1
+    if n == 0:
+        return conv(x, positions)
+    prev = previous_tokens(piece, last_tokens_of_piece(piece, x, n))
+    rows = conv(piece.rows(x), None if positions is None else positions.view(piece.B, piece.T), prev)
+    return rows.reshape(x.shape)
+
+
 class GatedSlotAttention(nn.Module):
     def __init__(self, args: GSAArgs):
         super().__init__()
@@ -158,9 +170,10 @@ class GatedSlotAttention(nn.Module):
         self.g_norm = RMSNorm(self.head_dim if args.output_gate else C, args.g_norm_eps)
         self.o_proj = nn.Linear(C, C, bias=False)
 
-    def forward(self, x, cu_seqlens, positions, cache: GSALayerCache | None = None):
+    def forward(self, x, cu_seqlens, positions, cache: GSALayerCache | None = None, piece: Piece | None = None):
         """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
-        continue their cached sequences; the cached pass reads and updates the cache in place."""
+        continue their cached sequences; the cached pass reads and updates the cache in place. piece: training as
+        one piece of a context-parallel row (flame.context_parallel)."""
         B, T, C = x.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_proj)
@@ -171,7 +184,13 @@ class GatedSlotAttention(nn.Module):
             # their own. Cached passes (decoding) skip the stacking: for a few tokens, copying the weights costs
             # more than the matmul that reads them.
             y = F.linear(x, torch.cat([p.weight for p in projections]))
-            if not self.args.use_short_conv:
+            if piece is not None:
+                q, k, v, f = y.split([p.out_features for p in projections], dim=-1)
+                if self.args.use_short_conv:
+                    q, k, v = (conv_cp(c, t, positions, piece)
+                               for c, t in ((self.q_conv1d, q), (self.k_conv1d, k), (self.v_conv1d, v)))
+                o = self.attend(q, k, v, f, cu_seqlens, piece=piece)
+            elif not self.args.use_short_conv:
                 # the feature maps and the chunk op in one call, whose backward writes y's gradient directly
                 o = chunk_gsa_from_projection(y, H, D, M, normalizer, scale=1.0, cu_seqlens=cu_seqlens)
             else:
@@ -193,7 +212,7 @@ class GatedSlotAttention(nn.Module):
             o = (self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
         return self.o_proj(o.to(x.dtype))
 
-    def attend(self, q, k, v, f, cu_seqlens, cache: GSALayerCache | None = None):
+    def attend(self, q, k, v, f, cu_seqlens, cache: GSALayerCache | None = None, piece: Piece | None = None):
         """The recurrence on the feature maps (kernels.gsa.feature_maps: swish on q, k, silu on v, the fp32 log
         gate and the slot writes) of q, k, v [B, T, H D] and the gate logits f [B, T, H M]."""
         B, T, _ = q.shape
@@ -201,6 +220,8 @@ class GatedSlotAttention(nn.Module):
         q, k, v, s, g = feature_maps(q, k, v, f, self.args.gate_logit_normalizer)
         q, k, v = (t.view(B, T, H, D) for t in (q, k, v))
         s, g = s.view(B, T, H, M), g.view(B, T, H, M)
+        if piece is not None:
+            return chunk_gsa_cp(piece, q, k, v, s, g, cu_seqlens)
         if cache is None:
             return chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens)[0]
         return self.cached_op(q, k, v, s, g, cu_seqlens, cache)
@@ -228,8 +249,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(args.hidden_size, args.norm_eps)
         self.mlp = SwiGLU(args.hidden_size, args.ffn_size)
 
-    def forward(self, x, cu_seqlens, positions, cache: GSALayerCache | None = None):
-        x = x + self.attn(self.attn_norm(x), cu_seqlens, positions, cache)
+    def forward(self, x, cu_seqlens, positions, cache: GSALayerCache | None = None, piece: Piece | None = None):
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, positions, cache, piece)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -252,19 +273,27 @@ class GSA(LanguageModel):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def forward(self, input_ids, labels=None, cu_seqlens=None):
+    def forward(self, input_ids, labels=None, cu_seqlens=None, cp_continues=None):
+        """cp_continues: with context parallelism on (flame.context_parallel.enable), which rows' first token
+        continues the previous rank's document (split_batch gives it)."""
         B, T = input_ids.shape
+        piece = make_piece(self.context_parallel, input_ids, cu_seqlens, cp_continues)
+        if piece is not None and self.args.use_short_conv and T < self.args.conv_size - 1:
+            raise ValueError(f"context parallel: a piece of {T} tokens is shorter than the short convolutions' "
+                             f"{self.args.conv_size - 1} previous inputs")
         positions = None
         if cu_seqlens is not None:
             input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
             positions = positions_from_cu_seqlens(cu_seqlens, B * T)
-        return self.logits_or_loss_sum(self.hidden(input_ids, cu_seqlens, positions), labels, B, T)
+        return self.logits_or_loss_sum(self.hidden(input_ids, cu_seqlens, positions, piece=piece), labels, B, T)
 
-    def hidden(self, input_ids, cu_seqlens=None, positions=None, cache: GSACache | None = None):
-        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
+    def hidden(self, input_ids, cu_seqlens=None, positions=None, cache: GSACache | None = None,
+               piece: Piece | None = None):
+        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it; with a
+        piece, as one piece of a context-parallel row."""
         x = self.embed(input_ids)
         for i, block in enumerate(self.layers):
-            x = block(x, cu_seqlens, positions, None if cache is None else cache.layers[i])
+            x = block(x, cu_seqlens, positions, None if cache is None else cache.layers[i], piece)
         return x
 
     def empty_cache(self, batch_size: int) -> GSACache:

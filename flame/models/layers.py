@@ -74,7 +74,16 @@ class ShortConv(nn.Module):
         self.size = size
         self.weight = nn.Parameter(torch.empty(dim, 1, size))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                prev: torch.Tensor | None = None) -> torch.Tensor:
+        """prev [B, size - 1, D]: the inputs before each row of x [B, T, D] (a context-parallel piece; zero where
+        they belong to another document), read by the row's first document only."""
+        if prev is not None:
+            n = self.size - 1
+            if positions is not None:   # the row's first document reads on into prev: its positions run n further
+                first_doc = positions == torch.arange(x.shape[1], device=x.device)
+                positions = torch.nn.functional.pad(positions + n * first_doc, (n, 0), value=n)
+            return self(torch.cat([prev.to(x.dtype), x], dim=1), positions)[:, n:]
         # x [B, T, D]; a handful of shifted adds (size is 2-4): clearer than conv1d plus document masks
         w = self.weight[:, 0].float().flip(-1)                   # w[:, j] multiplies x_{t-j}
         xf = x.float()
@@ -92,6 +101,8 @@ class LanguageModel(nn.Module):
     (nn.Embedding), `norm` (the final norm) and `lm_head` (nn.Linear, or None when the head is the embedding)."""
 
     args: Any
+    context_parallel = None
+    """flame.context_parallel.ContextParallel while this model runs one piece of each row (set by its enable)."""
     embed: nn.Embedding
     norm: nn.Module
     lm_head: nn.Linear | None

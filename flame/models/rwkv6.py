@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.config import ModelArgs, check
+from flame.context_parallel import Piece, chunk_rwkv6_cp
 from flame.models import register
-from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, token_shift,
-                                      norm_shift_mix_cached)
+from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, norm_shift_mix_cached,
+                                      norm_shift_mix_cp, token_shift, token_shift_cp)
 from kernels.rwkv6 import chunk_rwkv6
 from kernels.rwkv6.chunk import MAX_K
 from kernels.rwkv6.step import recurrent_step
@@ -117,12 +118,16 @@ class TimeMix(nn.Module):
         self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
         nn.init.zeros_(self.ln_x.bias)
 
-    def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
+    def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None, piece: Piece | None = None):
         """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
-        continue their cached sequences; the cached pass reads and updates the cache in place."""
+        continue their cached sequences; the cached pass reads and updates the cache in place. piece: training as
+        one piece of a context-parallel row (flame.context_parallel)."""
         B, T, C = x.shape
         H, N, D = self.n_heads, self.args.head_dim, self.args.mix_low_rank
-        xx = (token_shift(x, keep) if cache is None else cached_token_shift(x, cache.attn_x, keep, cu_seqlens)) - x
+        if piece is not None:
+            xx = token_shift_cp(x, keep, piece) - x
+        else:
+            xx = (token_shift(x, keep) if cache is None else cached_token_shift(x, cache.attn_x, keep, cu_seqlens)) - x
         lora = torch.tanh((x + xx * self.maa_x.to(x.dtype)) @ self.maa_w1).view(B, T, len(MIXES), D)
         shifts = torch.einsum("btmd,mdc->mbtc", lora, self.maa_w2.to(x.dtype)) + self.maa[:, None, None].to(x.dtype)
         xw, xk, xv, xr, xg = x[None] + xx[None] * shifts
@@ -132,7 +137,9 @@ class TimeMix(nn.Module):
         z = self.decay.float() + torch.tanh((xw @ self.decay_w1).float()) @ self.decay_w2.float()
         w = -torch.exp(z)
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
-        if cache is None:
+        if piece is not None:
+            o = chunk_rwkv6_cp(piece, heads(r), heads(k), heads(v), heads(w), self.bonus, cu_seqlens)
+        elif cache is None:
             o, _ = chunk_rwkv6(heads(r), heads(k), heads(v), heads(w), self.bonus, scale=1.0, cu_seqlens=cu_seqlens)
         else:
             o = self.cached_op(heads(r), heads(k), heads(v), heads(w), self.bonus, cu_seqlens, cache.state)
@@ -176,10 +183,14 @@ class ChannelMix(nn.Module):
         nn.init.zeros_(self.receptance.weight)          # the gate starts at sigmoid(0) = 1/2 everywhere
         nn.init.zeros_(self.value.weight)
 
-    def forward(self, x, norm, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
+    def forward(self, x, norm, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None,
+                piece: Piece | None = None):
         """x: the residual stream; norm: the block's ffn_norm, applied with the token shift."""
-        xk, xr = norm_shift_mix_cached(x, norm, torch.stack([self.maa_k, self.maa_r]), keep, cu_seqlens,
-                                       None if cache is None else cache.ffn_x)
+        mix = torch.stack([self.maa_k, self.maa_r])
+        if piece is not None:
+            xk, xr = norm_shift_mix_cp(x, norm, mix, keep, piece)
+        else:
+            xk, xr = norm_shift_mix_cached(x, norm, mix, keep, cu_seqlens, None if cache is None else cache.ffn_x)
         k = torch.relu(self.key(xk)).square()
         return torch.sigmoid(self.receptance(xr)) * self.value(k)
 
@@ -192,9 +203,9 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn = ChannelMix(args, layer_id)
 
-    def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
-        x = x + self.attn(self.attn_norm(x), keep, cu_seqlens, cache)
-        return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache)
+    def forward(self, x, keep, cu_seqlens, cache: RWKVLayerCache | None = None, piece: Piece | None = None):
+        x = x + self.attn(self.attn_norm(x), keep, cu_seqlens, cache, piece)
+        return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache, piece)
 
 
 @register("rwkv6", RWKV6Args)
@@ -204,9 +215,9 @@ class RWKV6(RWKVModel):
     def __init__(self, args: RWKV6Args):
         super().__init__(args, Block)
 
-    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None):
+    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None, piece: Piece | None = None):
         for i, block in enumerate(self.layers):
-            x = block(x, keep, cu_seqlens, None if cache is None else cache.layers[i])
+            x = block(x, keep, cu_seqlens, None if cache is None else cache.layers[i], piece)
         return x
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from flame.config import ModelArgs, check
+from flame.context_parallel import Piece, chunk_rwkv7_cp
 from flame.models import register
-from flame.models.rwkv_shared import RWKVCache, RWKVLayerCache, RWKVModel, norm_shift_mix_cached, ortho_init
+from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, norm_shift_mix_cached, norm_shift_mix_cp,
+                                      ortho_init)
 from kernels.rwkv7 import chunk_rwkv7
 from kernels.rwkv7.chunk import MAX_K
 from kernels.rwkv7.decay import log_decay
@@ -135,14 +137,19 @@ class TimeMix(nn.Module):
         self.ln_x.weight.fill_(((i + 1) / L) ** 0.7)   # deeper layers start with larger outputs
         nn.init.zeros_(self.ln_x.bias)
 
-    def forward(self, x, norm, v_first, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
+    def forward(self, x, norm, v_first, keep, cu_seqlens, cache: RWKVLayerCache | None = None,
+                piece: Piece | None = None):
         """Training (cache None), or a cached pass: a prefill (packed documents from an empty cache) or rows that
         continue their cached sequences; the cached pass reads and updates the cache in place. x: the residual
-        stream; norm: the block's attn_norm, applied with the token shift."""
+        stream; norm: the block's attn_norm, applied with the token shift. piece: training as one piece of a
+        context-parallel row (flame.context_parallel)."""
         B, T, C = x.shape
         H, N = self.n_heads, self.args.head_dim
-        prev = None if cache is None else cache.attn_x
-        xr, xw, xk, xv, xa, xg = norm_shift_mix_cached(x, norm, self.lerp, keep, cu_seqlens, prev)
+        if piece is not None:
+            xr, xw, xk, xv, xa, xg = norm_shift_mix_cp(x, norm, self.lerp, keep, piece)
+        else:
+            prev = None if cache is None else cache.attn_x
+            xr, xw, xk, xv, xa, xg = norm_shift_mix_cached(x, norm, self.lerp, keep, cu_seqlens, prev)
         r, k = self.r_proj(xr), self.k_proj(xk)
         if self.supplies_v_first:
             v = v_first = self.v_proj(xv)
@@ -159,7 +166,9 @@ class TimeMix(nn.Module):
         # k updated by the rate, the removal key -kk and the replacement kk * a (kk = normalize(k * k_k) per head)
         k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_lora, self.a0, self.k_k, self.k_a, N))
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
-        if cache is None:
+        if piece is not None:
+            o = chunk_rwkv7_cp(piece, heads(r), heads(z), k, heads(v), neg_kk, kk_a, self.w0, cu_seqlens)
+        elif cache is None:
             o, _ = chunk_rwkv7(heads(r), heads(z), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens,
                                w_bias=self.w0)
         else:
@@ -210,8 +219,11 @@ class ChannelMix(nn.Module):
         nn.init.orthogonal_(self.key.weight, gain=1.0)   # [4C, C]: orthonormal columns, no sqrt(4) shape gain
         nn.init.zeros_(self.value.weight)
 
-    def forward(self, x, norm, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None):
+    def forward(self, x, norm, keep, cu_seqlens=None, cache: RWKVLayerCache | None = None,
+                piece: Piece | None = None):
         """x: the residual stream; norm: the block's ffn_norm, applied with the token shift."""
+        if piece is not None:
+            return self.value(torch.relu(self.key(norm_shift_mix_cp(x, norm, self.x_k[None], keep, piece)[0])).square())
         h = norm_shift_mix_cached(x, norm, self.x_k[None], keep, cu_seqlens, None if cache is None else cache.ffn_x)[0]
         return self.value(torch.relu(self.key(h)).square())
 
@@ -224,13 +236,13 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn = ChannelMix(args, layer_id)
 
-    def forward(self, x, v_first, keep, cu_seqlens, cache: RWKVLayerCache | None = None):
+    def forward(self, x, v_first, keep, cu_seqlens, cache: RWKVLayerCache | None = None, piece: Piece | None = None):
         """(x, v_first) from the first layer, (x, None) from the others: handing an input back out makes FSDP2 warn
         that the block returned a view (its pre-forward hook makes views of the inputs). With a cache: a cached pass
         (TimeMix.forward)."""
-        h, v = self.attn(x, self.attn_norm, v_first, keep, cu_seqlens, cache)
+        h, v = self.attn(x, self.attn_norm, v_first, keep, cu_seqlens, cache, piece)
         x = x + h
-        return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache), v if self.attn.supplies_v_first else None
+        return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache, piece), v if self.attn.supplies_v_first else None
 
 
 @register("rwkv7", RWKV7Args)
@@ -240,11 +252,11 @@ class RWKV7(RWKVModel):
     def __init__(self, args: RWKV7Args):
         super().__init__(args, Block)
 
-    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None):
+    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None, piece: Piece | None = None):
         # v_first (layer 0's value) is per token: recomputed at every step, never cached
         v_first = None
         for i, block in enumerate(self.layers):
-            x, v = block(x, v_first, keep, cu_seqlens, None if cache is None else cache.layers[i])
+            x, v = block(x, v_first, keep, cu_seqlens, None if cache is None else cache.layers[i], piece)
             v_first = v_first if v is None else v
         return x
 

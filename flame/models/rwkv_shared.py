@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flame.context_parallel import Piece, make_piece, previous_tokens
 from flame.models.layers import LanguageModel, as_one_packed_row, packed_prompts
 from flame.optim import ParamGroup, trainable_parameters
 from kernels.token_shift import norm_shift_mix
@@ -47,6 +48,26 @@ def norm_shift_mix_cached(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor
     if prev is not None:
         prev.copy_(norm(last_tokens(x, cu_seqlens)))
     return out
+
+
+def norm_shift_mix_cp(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor, keep: torch.Tensor | None,
+                      piece: Piece) -> list[torch.Tensor]:
+    """norm_shift_mix for one piece of a context-parallel row: each row's first token shifts in the previous rank's
+    last normalized token (where it continues that document). norm_shift_mix's `first` takes no gradient, so the
+    rows start from zero there and first * mix[i] is added after: xn + (first - xn) mix = [xn + (0 - xn) mix] + first
+    mix."""
+    outs = norm_shift_mix(x, norm.weight, norm.bias, norm.eps, mix, keep)
+    first = previous_tokens(piece, norm(piece.rows(x)[:, -1:]))[:, 0]
+    for out, m in zip(outs, mix):
+        piece.rows(out)[:, 0] += (first * m.float()).to(out.dtype)
+    return outs
+
+
+def token_shift_cp(x: torch.Tensor, keep: torch.Tensor | None, piece: Piece) -> torch.Tensor:
+    """token_shift for one piece of a context-parallel row (the previous rank's last token where it continues)."""
+    shifted = token_shift(x, keep)
+    piece.rows(shifted)[:, 0] += previous_tokens(piece, piece.rows(x)[:, -1:])[:, 0].to(x.dtype)
+    return shifted
 
 
 def last_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -106,7 +127,7 @@ class RWKVModel(LanguageModel):
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None) -> torch.Tensor:
+    def run_blocks(self, x, keep, cu_seqlens, cache: RWKVCache | None, piece: Piece | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     @torch.no_grad()
@@ -124,22 +145,26 @@ class RWKVModel(LanguageModel):
             block.attn.reset_parameters()
             block.ffn.reset_parameters()
 
-    def forward(self, input_ids, labels=None, cu_seqlens=None):
+    def forward(self, input_ids, labels=None, cu_seqlens=None, cp_continues=None):
+        """cp_continues: with context parallelism on (flame.context_parallel.enable), which rows' first token
+        continues the previous rank's document (split_batch gives it)."""
         B, T = input_ids.shape
+        piece = make_piece(self.context_parallel, input_ids, cu_seqlens, cp_continues)
         if cu_seqlens is not None:
             input_ids, labels = as_one_packed_row(input_ids, labels, cu_seqlens)
-        x = self.hidden(input_ids, cu_seqlens)
+        x = self.hidden(input_ids, cu_seqlens, piece=piece)
         return self.logits_or_loss_sum(x, labels, B, T)
 
-    def hidden(self, input_ids, cu_seqlens=None, cache: RWKVCache | None = None):
-        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it."""
+    def hidden(self, input_ids, cu_seqlens=None, cache: RWKVCache | None = None, piece: Piece | None = None):
+        """The last block's output [B, T, C] (before the final norm); with a cache, a cached pass through it; with a
+        piece, as one piece of a context-parallel row."""
         keep = None
         if cu_seqlens is not None:   # 0 at every document start: the token shift restarts there
             n = input_ids.shape[1]
             keep = torch.ones(n, 1, device=input_ids.device)
             keep[cu_seqlens[:-1].long().clamp_max(n - 1)] = 0
         x = self.embed_norm(self.embed(input_ids))
-        return self.run_blocks(x, None if keep is None else keep.to(x.dtype), cu_seqlens, cache)
+        return self.run_blocks(x, None if keep is None else keep.to(x.dtype), cu_seqlens, cache, piece)
 
     def empty_cache(self, batch_size: int) -> RWKVCache:
         """Zero states for batch_size sequences (what no token has touched yet)."""

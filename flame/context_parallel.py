@@ -1,0 +1,255 @@
+"""Context parallelism for the recurrent models: every row of a micro-batch is cut into `size` contiguous pieces, one
+per rank of a cp group, and the models exchange only what crosses a piece boundary (docs/context_parallel.md):
+
+- the recurrent state: each rank runs its chunk op from a zero state, which gives its local final state S_r, and
+  forms the transition A_r that carries an incoming state through its piece (RWKV-6 / GSA: a diagonal decay; RWKV-7:
+  the K x K product of its per-token transitions, the chunk op run on v = 0 from the identity). The pairs are
+  all-gathered, each rank folds those of the ranks before it in order, E_r = A_r(E_{r-1}) + S_r, and reruns its chunk
+  op from E_{r-1}. The gather is differentiable: its backward sums every rank's gradient of the gathered states and
+  hands each rank the part of its own.
+- the token shift / short convolution inputs: the previous rank's last token(s) of every row, gathered the same way.
+
+Packed documents: a piece's row starts a segment of the local cu_seqlens; the incoming state and tokens reach only
+its first segment, and only when that segment continues the previous rank's document (`cp_continues`); the
+transition is zero unless the whole row piece is one continuing segment.
+
+The API the trainer uses: ContextParallel, split_batch, enable, required_multiple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+CHUNK_MULTIPLE = 64
+"""Pieces a multiple of this keep every kernel's chunks whole (RWKV-7, RWKV-6 and GSA chunk at 16 to 64 tokens)."""
+
+SUPPORTED = ("rwkv7", "rwkv6", "gsa")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    group: dist.ProcessGroup   # the ranks sharing one sequence, in sequence order
+    rank: int                  # this rank's piece: 0 = the first T/size tokens of every row
+    size: int
+
+
+def required_multiple(model_args) -> int:
+    """T must be divisible by cp size x this."""
+    return CHUNK_MULTIPLE
+
+
+def split_batch(batch: dict, cp: ContextParallel) -> dict:
+    """The global micro-batch {"input_ids" [B, T], "labels" [B, T], optional "cu_seqlens" (int32 offsets of the
+    flattened B*T tokens, a segment starting at every row start)} -> this rank's piece: input_ids, labels [B, T/size],
+    cu_seqlens (the piece's own segments: one starts at every row start and at every document start inside the
+    piece; absent when the batch has none) and cp_continues [B] bool (row b's first token continues the previous
+    rank's document)."""
+    unknown = set(batch) - {"input_ids", "labels", "cu_seqlens"}
+    if unknown:
+        raise ValueError(f"context parallel split_batch: unknown batch keys {sorted(unknown)}")
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    if T % cp.size:
+        raise ValueError(f"context parallel: sequence length {T} is not divisible by the cp degree {cp.size}")
+    n = T // cp.size
+    lo = cp.rank * n
+    piece = {"input_ids": ids[:, lo:lo + n].contiguous()}
+    if batch.get("labels") is not None:
+        piece["labels"] = batch["labels"][:, lo:lo + n].contiguous()
+    cu = batch.get("cu_seqlens")
+    if cu is None:
+        piece["cp_continues"] = torch.full((B,), cp.rank > 0, dtype=torch.bool, device=ids.device)
+        return piece
+    starts = cu[:-1].long()
+    row, col = starts // T, starts % T
+    inside = (col >= lo) & (col < lo + n)
+    row_starts = torch.arange(B, device=cu.device) * n
+    local = torch.cat([row_starts, row[inside] * n + col[inside] - lo]).unique()   # sorted
+    piece["cu_seqlens"] = torch.cat([local, local.new_tensor([B * n])]).to(torch.int32)
+    starts_here = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    starts_here[row[col == lo]] = True
+    piece["cp_continues"] = ~starts_here & (cp.rank > 0)
+    return piece
+
+
+def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
+    """Make `model` run as one piece of a cp group (None: off)."""
+    name = getattr(getattr(model, "args", None), "name", type(model).__name__)
+    if cp is not None:
+        if name not in SUPPORTED:
+            raise ValueError(f"context parallel supports {', '.join(SUPPORTED)}, not model {name!r}")
+        if dist.get_world_size(cp.group) != cp.size or dist.get_rank(cp.group) != cp.rank:
+            raise ValueError(f"context parallel: rank {cp.rank} of {cp.size} does not match the process group's "
+                             f"rank {dist.get_rank(cp.group)} of {dist.get_world_size(cp.group)}")
+    model.context_parallel = cp
+
+
+@dataclass
+class Piece:
+    """What a model's layers need of their rank's piece: B rows of T tokens each (flattened to one packed row when
+    cu_seqlens is given). Per row: continues (1 where its first token continues the previous rank's document, fp32
+    [B]), first_seg / last_seg (its first and last segment among the chunk op's sequences), carries (1 where the row
+    piece is one continuing segment: an incoming state crosses it), last_start (where its last segment starts)."""
+
+    cp: ContextParallel
+    B: int
+    T: int
+    continues: torch.Tensor
+    first_seg: torch.Tensor
+    last_seg: torch.Tensor
+    carries: torch.Tensor
+    last_start: torch.Tensor
+    segments: int
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] or one packed row [1, B*T, ...] as [B, T, ...]."""
+        return x.reshape(self.B, self.T, *x.shape[2:])
+
+
+def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+               continues: torch.Tensor | None) -> Piece | None:
+    """The Piece of a model's forward (input_ids [B, T] before any packing), or None without cp."""
+    if cp is None:
+        return None
+    B, T = input_ids.shape
+    dev = input_ids.device
+    if continues is None:
+        if cu_seqlens is not None:
+            raise ValueError("context parallel with packed documents needs cp_continues (from split_batch)")
+        continues = torch.full((B,), cp.rank > 0, device=dev)
+    continues = continues.to(device=dev, dtype=torch.float32)
+    if cu_seqlens is None:
+        seg = torch.arange(B, device=dev)
+        return Piece(cp, B, T, continues, seg, seg, continues, torch.zeros(B, dtype=torch.long, device=dev), B)
+    cu = cu_seqlens.long()
+    row_starts = torch.arange(B, device=dev) * T
+    first = torch.searchsorted(cu[:-1], row_starts)
+    if not torch.equal(cu[first], row_starts):
+        raise ValueError("context parallel: cu_seqlens must start a segment at every row start (use split_batch)")
+    n = cu.numel() - 1
+    last = torch.cat([first[1:], first.new_tensor([n])]) - 1
+    carries = continues * (first == last).float()
+    return Piece(cp, B, T, continues, first, last, carries, cu[last] - row_starts, n)
+
+
+class _GatherRows(torch.autograd.Function):
+    """all_gather of one flat tensor per rank -> [size, n]; backward: every rank's gradient summed, own row kept."""
+
+    @staticmethod
+    def forward(ctx, flat, group, rank, size):
+        ctx.group, ctx.rank = group, rank
+        out = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(out, flat.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None, None
+
+
+def _gather(cp: ContextParallel, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each rank's `tensors` (same shapes on every rank), differentiably: [rank][i]."""
+    flat = torch.cat([t.float().reshape(-1) for t in tensors])
+    rows = _GatherRows.apply(flat, cp.group, cp.rank, cp.size)
+    sizes = [t.numel() for t in tensors]
+    return [[p.view_as(t) for p, t in zip(row.split(sizes), tensors)] for row in rows.unbind(0)]
+
+
+@torch.compiler.disable
+def incoming_state(piece: Piece, local: list[torch.Tensor], transition: list[torch.Tensor],
+                   carry: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The state entering this rank's rows [B, ...] (fp32), each row's from the ranks before it:
+    E_j = carry(A_j, E_{j-1}) + S_j over j < rank, E_{-1} = 0. local: this rank's S (zero initial state, each row's last
+    segment); transition: its A (zero where the row does not carry)."""
+    gathered = _gather(piece.cp, local + transition)
+    n = len(local)
+    # Every rank folds all pieces but the last and keeps its own prefix: the same graph on every rank, so each one
+    # reaches the gather's backward (its collective) in the same order, rank 0 included.
+    prefixes = [[torch.zeros_like(t, dtype=torch.float32) for t in local]]
+    for j in range(piece.cp.size - 1):
+        carried = carry(gathered[j][n:], prefixes[-1])
+        prefixes.append([s + c for s, c in zip(gathered[j][:n], carried)])
+    return [torch.stack(states)[piece.cp.rank] for states in zip(*prefixes)]
+
+
+@torch.compiler.disable
+def previous_tokens(piece: Piece, last: torch.Tensor) -> torch.Tensor:
+    """The previous rank's `last` [B, n, C] (its rows' last n tokens, zeroed where they are not in its rows' last
+    segment), zero where this rank's row does not continue that document: [B, n, C] fp32."""
+    gathered = _gather(piece.cp, [last])
+    prev = gathered[max(piece.cp.rank - 1, 0)][0]
+    return prev * piece.continues[:, None, None]
+
+
+def last_tokens_of_piece(piece: Piece, x: torch.Tensor, n: int) -> torch.Tensor:
+    """x's last n tokens of every row [B, n, C], zero before the row's last segment (what the next rank may read)."""
+    tail = piece.rows(x)[:, piece.T - n:]
+    idx = torch.arange(piece.T - n, piece.T, device=x.device)
+    return tail * (idx[None] >= piece.last_start[:, None]).to(tail.dtype)[..., None]
+
+
+def first_segment_states(piece: Piece, state: torch.Tensor) -> torch.Tensor:
+    """Incoming row states [B, ...] -> initial states of the chunk op's sequences [segments, ...]: a row's state goes to
+    its first segment where that continues the previous rank's document, zero elsewhere."""
+    state = state * piece.continues.view(-1, *[1] * (state.dim() - 1))
+    if piece.segments == piece.B:
+        return state
+    return state.new_zeros(piece.segments, *state.shape[1:]).index_add(0, piece.first_seg, state)
+
+
+def row_log_decay_sum(piece: Piece, w: torch.Tensor) -> torch.Tensor:
+    """The diagonal transition of each row's piece, exp(sum of the log decays w [B or 1, B*T, H, D]) [B, H, D] fp32,
+    zero where the row does not carry."""
+    total = piece.rows(w.float()).sum(1).exp()
+    return total * piece.carries[:, None, None]
+
+
+# The three recurrences run as pieces: local state from zero, transition, exchange, then the chunk op from the
+# incoming state. Only the public chunk calls are used (the Triton path on CUDA, the PyTorch path on CPU).
+
+def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
+    """chunk_rwkv7 (decay logits z, bias w0, scale 1) of this rank's piece, continuing the previous ranks' states."""
+    from kernels.rwkv7 import chunk_rwkv7
+
+    run = lambda v_, h0: chunk_rwkv7(r, z, k, v_, a, b, scale=1.0, initial_state=h0,  # noqa: E731
+                                     output_final_state=True, cu_seqlens=cu_seqlens, w_bias=w0)
+    _, local = run(v, None)
+    # the transition P = prod_t (diag(e^w_t) + b_t a_t^T): the state that the identity becomes with v = 0
+    K = k.shape[-1]
+    eye = torch.eye(K, device=k.device).expand(piece.segments, k.shape[2], K, K)
+    _, product = run(k.new_zeros(k.shape), eye)
+    carries = piece.carries[:, None, None, None]
+    state, = incoming_state(piece, [local[piece.last_seg]], [product[piece.last_seg] * carries],
+                            lambda p, e: [p[0] @ e[0]])
+    return run(v, first_segment_states(piece, state))[0]
+
+
+def chunk_rwkv6_cp(piece: Piece, r, k, v, w, u, cu_seqlens):
+    """chunk_rwkv6 (log decay w, bonus u, scale 1) of this rank's piece, continuing the previous ranks' states."""
+    from kernels.rwkv6 import chunk_rwkv6
+
+    run = lambda h0: chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=h0,  # noqa: E731
+                                 output_final_state=True, cu_seqlens=cu_seqlens)
+    _, local = run(None)
+    state, = incoming_state(piece, [local[piece.last_seg]], [row_log_decay_sum(piece, w)],
+                            lambda d, e: [d[0][..., None] * e[0]])
+    return run(first_segment_states(piece, state))[0]
+
+
+def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens):
+    """chunk_gsa (scale 1) of this rank's piece, continuing the previous ranks' two slot states: both are sums of
+    per-token writes decayed by e^g over the slots, so both cross the piece by the same diagonal transition."""
+    from kernels.gsa import chunk_gsa
+
+    run = lambda h0: chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=h0,  # noqa: E731
+                               output_final_state=True, cu_seqlens=cu_seqlens)
+    _, (hk, hv) = run(None)
+    hk_in, hv_in = incoming_state(piece, [hk[piece.last_seg], hv[piece.last_seg]], [row_log_decay_sum(piece, g)],
+                                  lambda d, e: [e[0] * d[0][:, :, None, :], d[0][..., None] * e[1]])
+    return run((first_segment_states(piece, hk_in), first_segment_states(piece, hv_in)))[0]
