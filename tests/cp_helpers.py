@@ -81,19 +81,21 @@ def case_run(name: str, cp: ContextParallel | None) -> tuple[torch.Tensor, dict[
 
 
 WORLD = 4
-"""One spawn of 4 gloo ranks runs cp = 4 over all and cp = 2 over the pairs (0, 1) and (2, 3)."""
+"""One start of 4 gloo ranks runs cp = 4 over all of them and cp = 2 over the pairs (0, 1) and (2, 3), each pair half
+of the cases."""
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    """Every case at cp = 2 and 4; rank 0 saves {size: {case: (loss sum, gradients)}} to `out`."""
+    """Every case at cp = 2 and 4; each group's rank 0 saves (loss sum, gradients) to out/{size}_{case}.pt."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    results = {}
-    for cp in (ContextParallel(pairs[rank // 2], rank % 2, 2), ContextParallel(dist.group.WORLD, rank, WORLD)):
-        results[cp.size] = {name: case_run(name, cp) for name in case_names()}
-    if rank == 0:
-        torch.save(results, out)
+    for cp, names in ((ContextParallel(pairs[rank // 2], rank % 2, 2), case_names()[rank // 2::2]),
+                      (ContextParallel(dist.group.WORLD, rank, WORLD), case_names())):
+        for name in names:
+            result = case_run(name, cp)
+            if cp.rank == 0:
+                torch.save(result, os.path.join(out, f"{cp.size}_{name}.pt"))
     dist.barrier()
     dist.destroy_process_group()
