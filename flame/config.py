@@ -137,6 +137,12 @@ class ParallelismConfig:
     """FSDP shard group size; -1 takes every rank not used by dp_replicate."""
     dp_replicate: int = 1
     """Replica groups (HSDP across nodes when > 1)."""
+    context_parallel_degree: int = 1
+    """Ranks that share each sequence (RWKV-7, GSA, RWKV-6): every row of a micro-batch is cut into this many
+    contiguous pieces, one per rank, so a context too long for one GPU trains on several (docs/context_parallel.md).
+    Processes = dp_replicate x dp_shard x this; the ranks of one group read the same rows, so the global batch is
+    batch_size x accumulation x dp_replicate x dp_shard sequences; FSDP shards over dp_shard x this.
+    training.seq_len must be a multiple of this x 64."""
     collective_timeout_sec: float = 600.0
     """Seconds every rank may take to reach a step or a collective; past it the job fails naming the ranks that did
     not arrive (a hung or lost rank), instead of torch's 30 minutes of silence."""
@@ -145,6 +151,8 @@ class ParallelismConfig:
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard", "-1 or an integer >= 1",
               self.dp_shard)
         check(self.dp_replicate >= 1, "parallelism.dp_replicate", "an integer >= 1", self.dp_replicate)
+        check(self.context_parallel_degree >= 1, "parallelism.context_parallel_degree", "an integer >= 1",
+              self.context_parallel_degree)
         check(self.collective_timeout_sec > 0, "parallelism.collective_timeout_sec", "a number of seconds > 0",
               self.collective_timeout_sec)
 
@@ -249,6 +257,17 @@ class Config:
             getattr(self, f.name).validate()
         if self.validation.enable:
             check(bool(self.data.eval_sources), "data.eval_sources", "at least one source when validation.enable")
+        cp = self.parallelism.context_parallel_degree
+        if cp > 1:
+            from flame.context_parallel import SUPPORTED, required_multiple
+
+            check(self.model.name in SUPPORTED, "parallelism.context_parallel_degree",
+                  f"1 with model.name = {self.model.name!r}: context parallelism needs a recurrent model "
+                  f"({', '.join(SUPPORTED)})", cp)
+            multiple = cp * required_multiple(self.model)
+            check(self.training.seq_len % multiple == 0, "training.seq_len",
+                  f"a multiple of {multiple} (context_parallel_degree {cp} x {multiple // cp}: every rank's piece "
+                  "holds whole chunks)", self.training.seq_len)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

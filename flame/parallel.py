@@ -24,7 +24,11 @@ class Dist:
     world_size: int
     device: torch.device
     mesh: DeviceMesh
-    """(dp_replicate, dp_shard); every rank is a data-parallel rank."""
+    """(dp_replicate, dp_shard_cp): FSDP's mesh. dp_shard_cp is dp_shard x cp, cp innermost (torchtitan's layout): the
+    ranks of a cp group hold the same parameters and shard them like data-parallel ranks."""
+    cp_mesh: DeviceMesh | None = None
+    """(dp, cp) when context_parallel_degree > 1: "cp" groups the ranks that share each sequence (consecutive ranks,
+    in sequence order), "dp" is the data-parallel coordinate; None when cp = 1."""
 
     @property
     def on_gpu(self) -> bool:
@@ -33,17 +37,43 @@ class Dist:
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """2-D mesh -> HSDP (replicate x shard); 1-D -> plain FSDP."""
-        return self.mesh if self.mesh.size(0) > 1 else self.mesh["dp_shard"]
+        return self.mesh if self.mesh.size(0) > 1 else self.mesh["dp_shard_cp"]
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp_mesh is None else self.cp_mesh["cp"].size()
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: distinct streams of rows (the ranks of one cp group read the same rows)."""
+        return self.world_size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel coordinate, its reader index in the data loader."""
+        return self.rank if self.cp_mesh is None else self.cp_mesh["dp"].get_local_rank()
+
+    def context_parallel(self):
+        """This rank's flame.context_parallel.ContextParallel, or None when cp = 1."""
+        if self.cp_mesh is None:
+            return None
+        from flame.context_parallel import ContextParallel
+
+        cp = self.cp_mesh["cp"]
+        return ContextParallel(group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size())
 
 
-def resolve_dp_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for this world size, or ConfigError; called before the process group exists."""
-    replicate = cfg.dp_replicate
-    shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // replicate
-    if replicate * shard != world_size:
-        raise ConfigError("parallelism", f"dp_replicate * dp_shard = number of processes ({world_size})",
-                          f"{replicate} * {shard}")
-    return replicate, shard
+def resolve_dp_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, cp) for this world size, or ConfigError; called before the process group exists."""
+    replicate, cp = cfg.dp_replicate, cfg.context_parallel_degree
+    shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // (replicate * cp)
+    if replicate * shard * cp != world_size:
+        if cp == 1:
+            raise ConfigError("parallelism", f"dp_replicate * dp_shard = number of processes ({world_size})",
+                              f"{replicate} * {shard}")
+        raise ConfigError("parallelism", f"dp_replicate * dp_shard * context_parallel_degree = number of processes "
+                          f"({world_size})", f"{replicate} * {'-1 (the rest)' if cfg.dp_shard == -1 else shard} * {cp}")
+    return replicate, shard, cp
 
 
 def _free_port() -> int:
@@ -74,7 +104,7 @@ def init_distributed(cfg: ParallelismConfig) -> Dist:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
-    replicate, shard = resolve_dp_degrees(cfg, world_size)
+    replicate, shard, cp = resolve_dp_degrees(cfg, world_size)
     timeout = timedelta(seconds=cfg.collective_timeout_sec)  # a lost or hung rank fails the job after this
     store = attempt_store(world_size, timeout)
     if torch.cuda.is_available():
@@ -85,8 +115,9 @@ def init_distributed(cfg: ParallelismConfig) -> Dist:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout, store=store, **rank_and_world(store, world_size))
-    mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return Dist(rank=dist.get_rank(), world_size=world_size, device=device, mesh=mesh)
+    mesh = init_device_mesh(device.type, (replicate, shard * cp), mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+    cp_mesh = None if cp == 1 else init_device_mesh(device.type, (replicate * shard, cp), mesh_dim_names=("dp", "cp"))
+    return Dist(rank=dist.get_rank(), world_size=world_size, device=device, mesh=mesh, cp_mesh=cp_mesh)
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -136,7 +167,7 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
     # Over one shard (one GPU, or replicas only) a block's gathered parameters are its bf16 copies, 2 bytes per
     # parameter: keeping them spares the backward a second cast and copy of every parameter (thousands of small
     # kernels a step at 0.6B). Over several shards, resharding is what saves the memory.
-    reshard = d.mesh["dp_shard"].size() > 1
+    reshard = d.mesh["dp_shard_cp"].size() > 1
     for i, block in enumerate(model.layers):
         # the last block's parameters are needed again right away by backward: keep them gathered
         fully_shard(block, mesh=d.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < n - 1)
@@ -152,6 +183,6 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over every data-parallel rank (all ranks of the job)."""
+    """Sum over every rank of the job (data-parallel ranks and the pieces of each cp group)."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t

@@ -22,6 +22,9 @@ from tests.helpers import REPO, env, exit_line, write_config
     ("--model.num_heads=5", "model.num_heads", "a divisor of model.hidden_size"),
     ("--model.hidden_sise=64", "model.hidden_sise", "a known key"),
     ("--parallelism.dp_replicate=2", "parallelism", "dp_replicate * dp_shard = number of processes (1)"),
+    ("--parallelism.context_parallel_degree=0", "parallelism.context_parallel_degree", "an integer >= 1"),
+    ("--parallelism.context_parallel_degree=2", "parallelism.context_parallel_degree",
+     "1 with model.name = 'transformer': context parallelism needs a recurrent model (rwkv7, rwkv6, gsa), got 2"),
 ])
 def test_bad_value_exits_2_naming_file_and_key(tmp_path, capsys, override, key, expected):
     path, _ = write_config(tmp_path)
@@ -83,3 +86,25 @@ def test_head_sizes_beyond_the_kernels_stop_at_the_config(capsys, config, overri
     line = exit_line(capsys, main, ["--config", str(REPO / config), override])
     assert line.endswith(f" {key}: expected at most {most} (the largest the Triton kernel builds), got "
                          f"{override.split('=')[1]}"), line
+
+
+@pytest.mark.parametrize("overrides,world,expected", [
+    (["--training.seq_len=320"], None,
+     "training.seq_len: expected a multiple of 128 (context_parallel_degree 2 x 64: every rank's piece holds whole "
+     "chunks), got 320"),
+    ([], None, "parallelism: expected dp_replicate * dp_shard * context_parallel_degree = number of processes (1), "
+     "got '1 * -1 (the rest) * 2'"),
+    (["--parallelism.dp_shard=2"], "6", "parallelism: expected dp_replicate * dp_shard * context_parallel_degree = "
+     "number of processes (6), got '1 * 2 * 2'"),
+])
+def test_context_parallel_layout_errors(capsys, monkeypatch, overrides, world, expected):
+    """cp must cut seq_len into whole chunks and fit the processes with the data-parallel degrees: one line from
+    flame.train and from flame.check_config --world-size (what launch.sh runs before any process starts)."""
+    from flame.check_config import main as check_config
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", str(REPO / "configs/gsa_tiny.toml"), "--parallelism.context_parallel_degree=2", *overrides]
+    want = f"config error: {REPO / 'configs/gsa_tiny.toml'}: {expected}"
+    if world is None:
+        assert exit_line(capsys, main, argv) == want
+    assert exit_line(capsys, check_config, [*argv, "--no-data-check", "--world-size", world or "1"]) == want
