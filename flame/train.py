@@ -33,6 +33,8 @@ from flame import stop_signals
 from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config,
                               complete_steps, flat_config, nonfinite_tensors, rng_state, set_rng_state, some_of)
 from flame.config import Config, ConfigError, RunError, load_config, to_toml
+from flame.context_parallel import enable as enable_context_parallel
+from flame.context_parallel import split_batch
 from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
 from flame.export import ConvertError
@@ -73,7 +75,7 @@ class Trainer:
             self.staging_ready = False
             stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
             load_seconds = self.resume_and_start_metrics(resume_step)
-            self.global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * self.d.world_size
+            self.global_batch = cfg.training.batch_size * cfg.training.gradient_accumulation_steps * self.d.dp_world
             self.print_start(resume_step, load_seconds)
             self.profiler = StepProfiler(cfg.profiling, self.run_dir, self.rank, self.device, next_step=self.step + 1,
                                          last_step=cfg.training.steps, say=self.print)
@@ -87,6 +89,7 @@ class Trainer:
         t = self.cfg.training
         self.d = init_distributed(self.cfg.parallelism)
         self.rank, self.device = self.d.rank, self.d.device
+        self.cp = self.d.context_parallel()  # None unless parallelism.context_parallel_degree > 1
         self.heartbeat = Heartbeat(self.cfg.parallelism.collective_timeout_sec)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
@@ -127,6 +130,8 @@ class Trainer:
             self.print(f"initialized from {c.init_from}")
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
+        if self.cp is not None:
+            enable_context_parallel(model, self.cp)  # each rank runs its piece of every row
         self.model = parallelize(model, self.d, param_dtype=t.mixed_precision_param,
                                  reduce_dtype=t.mixed_precision_reduce,
                                  activation_checkpoint=t.activation_checkpoint, compile=t.compile)
@@ -138,8 +143,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loader = build_train_loader(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
-                                         grad_accum=t.gradient_accumulation_steps, dp_rank=self.rank,
-                                         dp_world=self.d.world_size, seed=t.seed, vocab_size=cfg.model.vocab_size)
+                                         grad_accum=t.gradient_accumulation_steps, dp_rank=self.d.dp_rank,
+                                         dp_world=self.d.dp_world, seed=t.seed, vocab_size=cfg.model.vocab_size)
         tokenizer_vocab = getattr(self.loader, "vocab_size", cfg.model.vocab_size)
         if tokenizer_vocab > cfg.model.vocab_size:
             raise ConfigError("model.vocab_size", f"at least the tokenizer's vocabulary ({tokenizer_vocab})",
@@ -168,7 +173,10 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         self.print(f"model {cfg.model.name}: {self.num_params / 1e6:.1f}M parameters, "
                    f"{self.flops_per_token / 1e9:.2f} GFLOP/token | {self.d.world_size} ranks on {self.device.type} "
-                   f"(replicate x shard = {tuple(self.d.mesh.shape)}) | global batch {self.global_batch} x "
+                   f"(replicate x shard = {tuple(self.d.mesh.shape)}"
+                   + (f", each row cut into {self.d.cp_size} pieces: context_parallel_degree = {self.d.cp_size}"
+                      if self.cp is not None else "")
+                   + f") | global batch {self.global_batch} x "
                    f"{t.seq_len} tokens | run folder {self.run_dir}"
                    + (f" | resumed from step {resume_step} (loaded in {load_seconds:.1f} s)"
                       if resume_step is not None else ""))
@@ -193,14 +201,14 @@ class Trainer:
             self.checkpointer.load(resume_step, {"train_state": ts})
             changes = check_resume_config(ts["config"], self.cfg, current,
                                           f"checkpoint {self.checkpointer.path(resume_step)}")
-            now = (self.d.world_size, self.cfg.data.num_workers)
+            now = (self.d.dp_world, self.cfg.data.num_workers)
             if (ts["dp_world"], ts["data_workers"]) != now and not self.cfg.data.synthetic \
                     and self.cfg.checkpoint.data_state == "strict":  # before config.toml changes
                 raise layout_error(self.checkpointer.path(resume_step), (ts["dp_world"], ts["data_workers"]), now)
             if changes:
                 self.print(f"config changed since step {resume_step} (applied): " + "; ".join(changes))
             if ts["config"] and (line := global_batch_change(ts["config"], ts["dp_world"], self.cfg,
-                                                               self.d.world_size)):
+                                                               self.d.dp_world)):
                 self.print(f"global batch changed since step {resume_step} (applied): {line}")
             self.checkpointer.say_verified(resume_step)
             self.data_bound_changed = not self.cfg.data.synthetic and any(c.startswith(DATA_BOUND) for c in changes)
@@ -211,14 +219,22 @@ class Trainer:
         dist.barrier()
 
     # ---------------------------------------------------------------------------------------------------- the step
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's arguments for a micro-batch of whole rows: under context parallelism, this rank's piece of
+        every row (its labels, so each target is counted and scored on one rank of the cp group only)."""
+        if self.cp is not None:
+            return split_batch(batch, self.cp)
+        return {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seqlens": batch.get("cu_seqlens")}
+
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         # Normalize by the target tokens of the whole global batch (all micro-batches, all ranks), counted first.
-        n_local = sum(count_targets(mb["labels"]) for mb in micro_batches)
+        pieces = [self.model_inputs(mb) for mb in micro_batches]
+        n_local = sum(count_targets(p["labels"]) for p in pieces)
         n_global = all_reduce_sum(n_local.to(self.device)).float()  # summed exactly as int64
         loss_sum = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce gradients once per step
-            token_loss_sum = self.model(mb["input_ids"], labels=mb["labels"], cu_seqlens=mb.get("cu_seqlens"))
+        for i, piece in enumerate(pieces):
+            self.model.set_requires_gradient_sync(i == len(pieces) - 1)  # reduce gradients once per step
+            token_loss_sum = self.model(**piece)
             (token_loss_sum / n_global).backward()  # FSDP sums gradients over ranks without dividing again
             loss_sum += token_loss_sum.detach()
         loss = all_reduce_sum(loss_sum) / n_global
@@ -334,17 +350,17 @@ class Trainer:
         from flame.data import build_eval_loader
 
         t = self.cfg.training
-        loader = build_eval_loader(self.cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, dp_rank=self.rank,
-                                   dp_world=self.d.world_size)
+        loader = build_eval_loader(self.cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, dp_rank=self.d.dp_rank,
+                                   dp_world=self.d.dp_world)
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
         n = torch.zeros((), device=self.device)
         for i, batch in enumerate(loader):
             if i == self.cfg.validation.steps:
                 break
-            batch = self.to_device(batch)
-            loss_sum += self.model(batch["input_ids"], labels=batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
-            n += count_targets(batch["labels"])
+            piece = self.model_inputs(self.to_device(batch))
+            loss_sum += self.model(**piece)
+            n += count_targets(piece["labels"])
         self.model.train()
         loss = (all_reduce_sum(loss_sum) / all_reduce_sum(n)).item()
         self.metrics.log_eval(self.step, loss)
@@ -356,10 +372,11 @@ class Trainer:
         return {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict(),
                 "train_state": {"step": self.step, "tokens_seen": self.tokens_seen,
                                 "skipped_steps": self.skipped_steps, "wandb_id": self.metrics.wandb_id or "",
-                                "dp_world": self.d.world_size, "data_workers": self.cfg.data.num_workers,
+                                "dp_world": self.d.dp_world, "data_workers": self.cfg.data.num_workers,
                                 "config": to_toml(self.cfg)},
-                # each rank reads its own stream and draws its own random numbers: one entry per rank
-                "dataloader": {f"rank_{self.rank}": self.loader.state_dict()},
+                # each data-parallel rank reads its own stream (the ranks of a cp group the same one: one entry, DCP
+                # keeps one copy) and each rank draws its own random numbers
+                "dataloader": {f"rank_{self.d.dp_rank}": self.loader.state_dict()},
                 "rng": {f"rank_{self.rank}": rng_state()}}
 
     def save_checkpoint(self) -> None:
@@ -383,16 +400,19 @@ class Trainer:
         self.checkpointer.load(step, {"train_state": ts})
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         check_compatible(self.checkpointer.saved_shapes(step), model_sd, self.checkpointer.path(step))
-        same_layout = (ts["dp_world"], ts["data_workers"]) == (self.d.world_size, self.cfg.data.num_workers)
+        # the data streams continue where the data-parallel layout is the same (another cp degree changes only how
+        # each row is cut); each rank's random numbers where the ranks are the same ones too
+        same_layout = (ts["dp_world"], ts["data_workers"]) == (self.d.dp_world, self.cfg.data.num_workers)
+        same_ranks = same_layout and saved_cp_degree(ts["config"]) == self.d.cp_size
         state = {"model": model_sd, "optimizer": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
         data_key = None
         if (same_layout and not self.data_bound_changed) or getattr(self.loader, "state_is_global", False):
-            data_key = f"rank_{self.rank}" if same_layout else "rank_0"
+            data_key = f"rank_{self.d.dp_rank}" if same_layout else "rank_0"
             state["dataloader"] = {data_key: self.loader.state_dict()}
         elif self.cfg.checkpoint.data_state == "strict":
             raise layout_error(self.checkpointer.path(step), (ts["dp_world"], ts["data_workers"]),
-                               (self.d.world_size, self.cfg.data.num_workers))
-        if same_layout:
+                               (self.d.dp_world, self.cfg.data.num_workers))
+        if same_ranks:
             state["rng"] = {f"rank_{self.rank}": rng_state()}
         self.checkpointer.load(step, state)
         if bad := nonfinite_tensors({"model": state["model"], "optimizer": state["optimizer"]}):
@@ -414,7 +434,7 @@ class Trainer:
             self.loader.load_state_dict(state["dataloader"][data_key])
         else:
             self.print("WARNING: data streams restart from the beginning (checkpoint.data_state = restart)")
-        if same_layout:
+        if same_ranks:
             set_rng_state(state["rng"][f"rank_{self.rank}"])
         self.step, self.tokens_seen, self.skipped_steps = ts["step"], ts["tokens_seen"], ts["skipped_steps"]
         self.last_saved = self.step
@@ -447,15 +467,21 @@ class Trainer:
 
 
 def layout_error(path: Path, saved: tuple[int, int], now: tuple[int, int]) -> RunError:
-    """(data-parallel ranks, data workers per rank) differ from the checkpoint's under checkpoint.data_state=strict."""
+    """(data-parallel ranks, data workers per rank) differ from the checkpoint's under checkpoint.data_state=strict.
+    Data-parallel ranks = processes / context_parallel_degree: the ranks of one cp group read one stream."""
     return RunError(f"checkpoint {path} was written by {saved[0]} data-parallel ranks with {saved[1]} data workers "
                     f"each, this run has {now[0]} and {now[1]}: model and optimizer reshard, the data streams' "
                     f"positions do not; {WAYS_OUT.replace('settings', 'layout', 1)}")
 
 
+def saved_cp_degree(saved_toml: str) -> int:
+    """The checkpoint's parallelism.context_parallel_degree (1 for a checkpoint without its config or the key)."""
+    return int(flat_config(saved_toml).get("parallelism.context_parallel_degree", 1)) if saved_toml else 1
+
+
 def global_batch_change(saved_toml: str, saved_ranks: int, cfg: Config, ranks: int) -> str | None:
-    """The global batch of the checkpoint and of this run (ranks x batch_size x accumulation steps) where they
-    differ: another number of ranks changes it without any key changing."""
+    """The global batch of the checkpoint and of this run (data-parallel ranks x batch_size x accumulation steps)
+    where they differ: another number of ranks changes it without any key changing."""
     saved = flat_config(saved_toml)
     before = (saved_ranks, saved.get("training.batch_size"), saved.get("training.gradient_accumulation_steps"))
     now = (ranks, cfg.training.batch_size, cfg.training.gradient_accumulation_steps)
