@@ -8,9 +8,19 @@ loader.py (workers, resume, counters, eval), synthetic.py (no files).
 from __future__ import annotations
 
 from flame.data.config import DataConfig, SourceConfig
-from flame.data.loader import EvalLoader, TextLoader, check_sources
-from flame.data.sources import NoDocumentError
-from flame.data.synthetic import IGNORE_INDEX, SyntheticLoader
+
+# The readers and loaders import torch, torchdata and the file formats' libraries: loaded when first asked for, so
+# that reading a config (flame.config, which launch.sh's checks run before any rank starts) stays a light import.
+_LAZY = {"check_sources": "loader", "EvalLoader": "loader", "TextLoader": "loader", "NoDocumentError": "sources",
+         "IGNORE_INDEX": "synthetic", "SyntheticLoader": "synthetic"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flame.data' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"flame.data.{_LAZY[name]}"), name)
+
 
 __all__ = ["DataConfig", "SourceConfig", "IGNORE_INDEX", "build_train_loader", "build_eval_loader", "check_sources",
            "NoDocumentError"]
@@ -23,6 +33,9 @@ def build_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, grad_a
 
     Text sources raise ConfigError (naming data.sources[i].path, data.tokenizer, ...) here, before training starts.
     The text loader's `vocab_size` is the tokenizer's; the trainer checks that it fits model.vocab_size."""
+    from flame.data.loader import TextLoader
+    from flame.data.synthetic import SyntheticLoader
+
     if cfg.synthetic:
         return SyntheticLoader(seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, dp_rank=dp_rank,
                                dp_world=dp_world, seed=seed, vocab_size=vocab_size)
@@ -33,4 +46,6 @@ def build_eval_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, dp_rank
     """A fresh, deterministic iterable of eval batches over data.eval_sources, or None when there are none."""
     if not cfg.eval_sources:
         return None
+    from flame.data.loader import EvalLoader
+
     return EvalLoader(cfg, seq_len=seq_len, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world)
