@@ -15,7 +15,7 @@ from flame.export import load_exported
 from tests.helpers import REPO, env, read_checkpoint, read_metrics, run_train, write_config
 
 # the tiny default config on the bundled sample text (2 data workers per rank), made short
-TEXT = ["--training.seq_len=64", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
+TEXT = ["--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
         "--lr_scheduler.warmup_steps=2"]
 CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0"]
 
@@ -45,42 +45,42 @@ def last_loss_per_step(dump):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted 20-step run on 2 ranks."""
+    """The uninterrupted 8-step run on 2 ranks."""
     dump = tmp_path_factory.mktemp("straight") / "run"
-    proc = launch(dump, "--training.steps=20", "--checkpoint.interval=10")
+    proc = launch(dump, "--training.steps=8", "--checkpoint.interval=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dump
 
 
 def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path, straight):
     dump = tmp_path / "run"
-    proc = launch(dump, "--training.steps=20", "--checkpoint.interval=10", wait=False)
-    wait_for(dump / "checkpoint" / "step-10", proc)
+    proc = launch(dump, "--training.steps=8", "--checkpoint.interval=4", wait=False)
+    wait_for(dump / "checkpoint" / "step-4", proc)
     # every process of the job at once: launcher, torchrun, both ranks (torchrun starts them in sessions of their
     # own) and their data workers, all of which carry the run folder on their command line
     subprocess.run(["pkill", "-KILL", "-f", f"job.dump_folder={dump}"], check=True)
     proc.wait()
     time.sleep(0.5)
-    assert not (dump / "checkpoint" / "step-20").exists()  # it really died mid-run
+    assert not (dump / "checkpoint" / "step-8").exists()  # it really died mid-run
 
     # a save killed half-way leaves a .tmp folder: it must be ignored (and cleared), never loaded
-    partial = dump / "checkpoint" / "step-15.tmp"
-    shutil.copytree(dump / "checkpoint" / "step-10", partial)
+    partial = dump / "checkpoint" / "step-6.tmp"
+    shutil.copytree(dump / "checkpoint" / "step-4", partial)
     (partial / ".metadata").unlink()
 
-    resumed = launch(dump, "--training.steps=20", "--checkpoint.interval=10")
+    resumed = launch(dump, "--training.steps=8", "--checkpoint.interval=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from step 10" in resumed.stdout and "removed step-15.tmp" in resumed.stdout
+    assert "resumed from step 4" in resumed.stdout and "removed step-6.tmp" in resumed.stdout
     assert not partial.exists()
     expected, got = last_loss_per_step(straight), last_loss_per_step(dump)
-    assert [got[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]  # bit for bit
+    assert [got[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]  # bit for bit
 
 
 def test_text_checkpoint_on_other_rank_count_stops_with_advice(tmp_path, straight):
     dump = tmp_path / "run"
     shutil.copytree(straight, dump)
     config = (dump / "config.toml").read_text()
-    proc = launch(dump, "--training.steps=30", nproc=1)
+    proc = launch(dump, "--training.steps=12", nproc=1)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert (dump / "config.toml").read_text() == config  # stopped before the run folder changed
     # the rank's own output (torchrun adds a report of its own): one line, every way out named, no traceback
@@ -96,11 +96,11 @@ def test_text_checkpoint_on_other_rank_count_stops_with_advice(tmp_path, straigh
     assert (dump / ".lock").read_text() == ""
 
     # restarting the data streams on 1 rank halves the global batch: said with the other changes applied
-    proc = launch(dump, "--training.steps=21", "--checkpoint.data_state=restart", nproc=1)
+    proc = launch(dump, "--training.steps=9", "--checkpoint.data_state=restart", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "took over the lock" not in proc.stdout
-    assert "global batch changed since step 20 (applied): 8 sequences in the checkpoint (2 x 4 x 1 ranks x " \
-           "batch_size x accumulation), 4 now (1 x 4 x 1)" in proc.stdout
+    assert "global batch changed since step 8 (applied): 4 sequences in the checkpoint (2 x 2 x 1 ranks x " \
+           "batch_size x accumulation), 2 now (1 x 2 x 1)" in proc.stdout
 
 
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):

@@ -116,13 +116,14 @@ def test_gpu_bf16_packed_training_step_is_finite():
 def test_loss_falls_through_launch(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(
-        ["bash", "scripts/launch.sh", "configs/gsa_tiny.toml", "--training.steps", "30",
-         f"--job.dump_folder={dump}", "--metrics.log_freq=5", "--checkpoint.enable=false",
+        ["bash", "scripts/launch.sh", "configs/gsa_tiny.toml", "--training.steps", "12",
+         f"--job.dump_folder={dump}", "--metrics.log_freq=1", "--checkpoint.enable=false",
          "--validation.enable=false", "--training.seq_len=64", "--training.batch_size=4",
          "--lr_scheduler.warmup_steps=2"],
         cwd=REPO, env=dict(env(), NPROC="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(dump) if "loss" in r]
-    assert all(math.isfinite(x) for x in losses)
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
     assert "FIRST LOSS" not in proc.stderr
-    assert losses[-1] < losses[0] - 1.0, losses
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3   # single steps are noisy: means of three
+    assert last < first - 1.0, losses

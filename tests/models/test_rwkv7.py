@@ -81,13 +81,13 @@ def test_gpu_kernel_path_matches_cpu_path():
 def test_loss_falls_on_sample_data_through_launch(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(
-        ["bash", "scripts/launch.sh", "configs/rwkv7_tiny.toml", "--training.steps", "20",
+        ["bash", "scripts/launch.sh", "configs/rwkv7_tiny.toml", "--training.steps", "12",
          f"--job.dump_folder={dump}", "--metrics.log_freq=1", "--checkpoint.enable=false",
          "--validation.enable=false", "--training.seq_len=64", "--lr_scheduler.warmup_steps=2"],
         cwd=REPO, env=dict(env(), NPROC="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(dump) if "loss" in r]
-    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
     assert "FIRST LOSS" not in proc.stderr
-    first, last = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, losses
