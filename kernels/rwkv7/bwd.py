@@ -4,6 +4,8 @@
               chunk end as dh, and dZ = T^T (scale A_rb^T do + b^ dS) for the parallel pass; dS at t=0 is dh0.
   _bwd_chunk  (per chunk and head, all at once): dv, then the pairwise-matrix gradients pushed back to r, k, a, b
               and the log decays, summed in reverse to dw (or, from logits, through the sigmoid to them).
+Over equal rows the two alternate per group of chunks (sequence scans: segments of every sequence, the last first;
+blocked scans: runs of blocks): dh then holds one group's chunk-end gradients (fp32 K x V per chunk), not all.
 """
 
 from __future__ import annotations
@@ -12,26 +14,34 @@ import triton
 import triton.language as tl
 
 from kernels.rwkv7.fwd import load_w, scan_span
-from kernels.tl_utils import (chunk_bounds, chunk_program, decay_on, first_half, load_cols, load_rows, mm, pair_mask,
-                               run_sums_t, second_half, spare_chunk, store_cols)
+from kernels.tl_utils import (chunk_bounds, decay_on, first_half, load_cols, load_rows, mm, pair_mask, run_sums_t,
+                               second_half, store_cols)
 
 
 @triton.jit
 def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
-              scale, TT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr, OUT: tl.constexpr,
-              HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+              scale, TT, seg_first, seg_count, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr,
+              OUT: tl.constexpr, SEGMENT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+              PREC: tl.constexpr):
     """The state-gradient recursion over chunks, last to first, in one of three roles (as the forward's):
       sequence   (BLOCKED=False, OUT): from dht through all chunks, storing dS at each chunk's end as dh and dZ;
                  dS at t = 0 to dh0.
       block fill (BLOCKED, OUT): the same over one block of L chunks, from dS at its end, dSb[block].
       block map  (BLOCKED, not OUT): from zero over the block, storing its dS at the block's start to dSb[block]
-                 (R in dS_start = M^T dS_end + R; M is the forward's block map)."""
+                 (R in dS_start = M^T dS_end + R; M is the forward's block map).
+    dh holds the chunks from global chunk seg_first on (row: global chunk - seg_first), or with SEGMENT (sequence
+    role over equal rows) only chunks seg_first .. seg_first + seg_count - 1 of each sequence, from dht (the gradient
+    carried from the later segment) to dh0, dh by sequence (row i_n * seg_count + chunk - seg_first); as
+    _bwd_chunk's programs read them."""
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, bos, eos, first, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
     if BLOCKED:
         if count <= 0:   # a spare block of a packed batch
             return
+    if SEGMENT:
+        first = seg_first
+        count = seg_count
     i_h, i_v = tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BT)
     cb = tl.arange(0, BT)
@@ -63,7 +73,11 @@ def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, d
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
         if OUT:
-            tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
+            if SEGMENT:
+                dh_row = i_n * seg_count + i_t - seg_first
+            else:
+                dh_row = c0 + i_t - seg_first
+            tl.store(dh + (dh_row * H + i_h).to(tl.int64) * K * V + s_off, dS, mask=m_kv)
         dUT = scale * tl.dot(doT, A_rb, input_precision=PREC) + tl.dot(tl.trans(dS), b_endT, input_precision=PREC)
         dZT = tl.dot(dUT, T, input_precision=PREC)
         if OUT:
@@ -125,7 +139,7 @@ def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-               dr, dw, dk, dv, da, db, scale, TT, decay_scale,
+               dr, dw, dk, dv, da, db, scale, TT, decay_scale, seg_first, seg_count, seq_chunks,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr,
                BF16: tl.constexpr, PREC: tl.constexpr):
@@ -133,11 +147,21 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
     [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
     product then does the work of four (every level pushes dA back with two products instead of eight): the kernel
-    is bound by the latency of its many small products, not by their arithmetic."""
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    is bound by the latency of its many small products, not by their arithmetic.
+    Program p takes global chunk (p // seg_count) seq_chunks + seg_first + p % seg_count (seq_chunks > 0: segments
+    of equal rows of seq_chunks chunks, _bwd_scan's SEGMENT layout; seq_chunks = 0: the chunks from seg_first on)
+    and its dS_C from row p of dh."""
+    p = tl.program_id(0)
+    i_c = (p // seg_count) * seq_chunks + seg_first + p % seg_count   # the global chunk (h, w by chunk)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    if t0 >= eos:   # a spare program of a packed batch
+        return
+    i_h = tl.program_id(1)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    ck = tl.arange(0, BK)
+    m_k = ck < K
     c2 = tl.arange(0, 2 * BT)
     t2 = c2 % BT            # the token of each paired column (and row of dA)
     lo = c2 < BT            # first of the pair: r, b, do, U (rows of dA: r; columns: b)
@@ -159,13 +183,14 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     dA = tl.zeros([2 * BT, 2 * BT], dtype=tl.float32)
     d_gC = tl.zeros([BK], dtype=tl.float32)
     h_base = (i_c * H + i_h).to(tl.int64) * K * V
+    dh_base = (p * H + i_h).to(tl.int64) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         m_v = cv < V
         s_off = ck[:, None] * V + cv[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         S0 = tl.load(h + h_base + s_off, mask=m_kv, other=0.).to(tl.float32)   # bf16 with bf16 products
-        dSC = tl.load(dh + h_base + s_off, mask=m_kv, other=0.)
+        dSC = tl.load(dh + dh_base + s_off, mask=m_kv, other=0.)
         X2 = load_pair_cols(do, dZ, tok2, lo, i_h, H, V, cv, m_t2, m_v)   # [BV, 2 BT]
         Y2 = load_pair_cols(U, v, tok2, lo, i_h, H, V, cv, m_t2, m_v)
         d_x += mm(S0, X2, BF16, PREC)

@@ -71,6 +71,12 @@ class Settings:
     K = V = 64."""
     block_map_warps: int = 4
     """Warps of the forward's block maps."""
+    bwd_dh_chunks: int = 256
+    """Over equal rows the backward holds the chunk-end state gradients dh (fp32 K x V per chunk and head: 16 KiB at
+    K = V = 64, twice the bf16 chunk state) for about this many chunks at a time instead of all: _bwd_scan and
+    _bwd_chunk run in turn per group (sequence scans: segments of this / N chunks of every sequence, the last first,
+    the state gradient carried between them; blocked scans: runs of this / block_chunks blocks). 0: all at once
+    (packed sequences always)."""
 
     def scan_tile(self, V: int, sequences_x_heads: int) -> int:
         return self.scan_bv or scan_tile(V, sequences_x_heads)
@@ -145,7 +151,7 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
 
 
-def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s: Settings):
+def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks, do, dht, s: Settings):
     from kernels.rwkv7.bwd import _bwd_chunk, _bwd_scan
     from kernels.rwkv7.fwd import _block_scan
 
@@ -156,39 +162,71 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht
     BT, BK = s.chunk, max(16, next_pow2(K))
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
-    dh = torch.empty(NT, H, K, V, **f32)
     # dZ: only _bwd_chunk's products read it, as bf16 operands where they take such (chunk.kept_dtype)
     dZ = torch.empty(1, T, H, V, device=r.device, dtype=kept_dtype(r, s))
-    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
+    dw = torch.empty_like(w)   # the logits' gradient in their dtype, or the log decay's (fp32)
+    dv = torch.empty_like(v)
     BV = s.scan_tile(V, N * H)
     TT = NT * BT
     scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
     tensors = (r, wf, a, b, do, cu, chunk_offsets)
+    ops = (r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h)
+    grads = (U, dZ, dr, dw, dk, dv, da, db, scale, TT, DECAY_SCALE)
+    per_chunk = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
+                     LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec,
+                     num_warps=BWD_WARPS)
+    C = NT // N if seq_len else 0   # chunks per sequence (equal rows)
+    L = max(1, s.bwd_dh_chunks // N)
+    if blocks is None and s.bwd_dh_chunks and L < C:
+        # segments of L chunks of every sequence, the last first: dh holds one segment's chunk ends, the gradient
+        # dS carried from segment to segment in dS (read at a segment's end, written at its start)
+        dh = torch.empty(N * L, H, K, V, **f32)
+        dS = torch.empty(N, H, K, V, **f32)
+        for first in reversed(range(0, C, L)):
+            count = min(L, C - first)
+            dS_end = dS if first + count < C else dht
+            launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS, None,
+                   scale, TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=True,
+                   HAS_DHT=dS_end is not None, STORE_DH0=True, num_warps=s.scan_warps, **scan)
+            launch(_bwd_chunk, (N * count, H), *ops, dh, *grads, first, count, C, **per_chunk)
+        return dr, dw, dk, dv, da, db, dS if h0 is not None else None
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     if blocks is None:
+        dh = torch.empty(NT, H, K, V, **f32)
         launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
-               BV=BV, BLOCKED=False, OUT=True, HAS_DHT=dht is not None, STORE_DH0=h0 is not None,
-               num_warps=s.scan_warps, **scan)
+               0, 0, BV=BV, BLOCKED=False, OUT=True, SEGMENT=False, HAS_DHT=dht is not None,
+               STORE_DH0=h0 is not None, num_warps=s.scan_warps, **scan)
+        launch(_bwd_chunk, (NT, H), *ops, dh, *grads, 0, NT, 0, **per_chunk)
     else:
         block_offsets, block_index, NB = blocks
         BVb = min(s.block_bv, max(16, next_pow2(V)))
         grid = (NB, H, triton.cdiv(V, BVb))
         # per block: R in dS_start = M^T dS_end + R; in reverse order: dS at every block's end; per block: the rest
         Rb = torch.empty(NB, H, K, V, **f32)
-        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, dh, dZ, None, Rb, scale, TT, BV=BVb,
-               BLOCKED=True, OUT=False, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps, **scan)
+        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, None, dZ, None, Rb, scale, TT, 0, 0, BV=BVb,
+               BLOCKED=True, OUT=False, SEGMENT=False, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps,
+               **scan)
         dhb = torch.empty(NB, H, K, V, **f32)
         launch(_block_scan, (N, H, triton.cdiv(V, BV)), cu, block_offsets, Mb, Rb, dht, dhb, dh0, H=H, K=K, V=V,
                BL=BT * s.block_chunks, BK=BK, BV=BV, REVERSE=True, HAS_S0=dht is not None, STORE_END=h0 is not None,
                PREC=s.prec, num_warps=s.scan_warps)
-        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, dh, dZ, None, dhb, scale, TT, BV=BVb,
-               BLOCKED=True, OUT=True, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps, **scan)
-    dr, dk, da, db = (torch.empty_like(x) for x in (r, k, a, b))
-    dw = torch.empty_like(w)   # the logits' gradient in their dtype, or the log decay's (fp32)
-    dv = torch.empty_like(v)
-    launch(_bwd_chunk, (NT, H), r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
-           dr, dw, dk, dv, da, db, scale, TT, DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK,
-           BV=min(s.chunk_bv, max(16, next_pow2(V))), LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None,
-           BF16=s.bf16(r), PREC=s.prec, num_warps=BWD_WARPS)
+        # the fill and the per-chunk gradients in turn per run of GB blocks (equal rows: a run's chunks are one
+        # range of global chunks, [c_lo, c_hi)); dh holds one run's chunk ends
+        Lb = s.block_chunks
+        GB = max(1, s.bwd_dh_chunks // Lb) if C and s.bwd_dh_chunks else NB
+        per_seq = triton.cdiv(C, Lb) if C else 1
+        dh = torch.empty(min(NT, GB * Lb) if C else NT, H, K, V, **f32)
+        for g0 in range(0, NB, GB):
+            g1 = min(NB, g0 + GB)
+            c_lo, c_hi = 0, NT
+            if C:   # block g is block g % per_seq of sequence g // per_seq
+                c_lo = g0 // per_seq * C + g0 % per_seq * Lb
+                c_hi = (g1 - 1) // per_seq * C + min(((g1 - 1) % per_seq + 1) * Lb, C)
+            launch(_bwd_scan, (g1 - g0, H, triton.cdiv(V, BVb)), *tensors, block_index[g0:], Arb, Tinv, None, dh, dZ,
+                   None, dhb[g0:], scale, TT, c_lo, 0, BV=BVb, BLOCKED=True, OUT=True, SEGMENT=False, HAS_DHT=False,
+                   STORE_DH0=False, num_warps=s.scan_warps, **scan)
+            launch(_bwd_chunk, (c_hi - c_lo, H), *ops, dh, *grads, c_lo, c_hi - c_lo, 0, **per_chunk)
     return dr, dw, dk, dv, da, db, dh0
 
 
@@ -238,7 +276,7 @@ def _backward_op(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, 
     s = from_text("rwkv7", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
     saved = (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
-    return _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, saved, tables, blocks, do, dht, s)
+    return _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks, do, dht, s)
 
 
 chunk_rwkv7_bwd_op = torch.library.custom_op(
@@ -270,8 +308,9 @@ def _autograd_backward(ctx, do, dht, *_):
     dht = None if dht is None else dht.contiguous()
     dr, dw, dk, dv, da, db, dh0 = chunk_rwkv7_bwd_op(r, w, w_bias, k, v, a, b, ctx.scale, h0, cu, ctx.seq_len,
                                                      ctx.settings, *saved, do, dht)
-    # the bias's gradient: the logits' gradient (as stored, in their dtype) summed over the tokens
-    d_bias = None if w_bias is None else dw.float().sum((0, 1)).view(w_bias.shape).to(w_bias.dtype)
+    # the bias's gradient: the logits' gradient (as stored, in their dtype) summed over the tokens in fp32, read as
+    # stored (an fp32 copy of dw first would be twice its size at the backward's peak, and a pass of its own)
+    d_bias = None if w_bias is None else dw.sum((0, 1), dtype=torch.float32).view(w_bias.shape).to(w_bias.dtype)
     return dr, dw, d_bias, dk, dv, da, db, None, dh0, None, None, None, None
 
 

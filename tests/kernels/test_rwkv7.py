@@ -99,6 +99,19 @@ def test_triton_interpreter_sequence_and_blocked_scans(scan, K, V, decay, T, len
     assert_close(got, naive(xs, h0, 0.7, cu), CPU_TOL, f"{scan} K={K} V={V} lens={lens}")
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("dh_chunks", [2, 6])
+def test_triton_interpreter_backward_in_groups_of_chunks(blocked, dh_chunks, interp):
+    # The backward over equal rows holding the chunk-end state gradients for a few chunks at a time, the scan and
+    # the per-chunk gradients in turn: 2 rows of 7 chunks, sequence scans in segments of 1 or 3 chunks of each row
+    # (3, 3 and a short first one), blocked scans (blocks of 2 chunks, the last of a row short) in runs of 1 or 3
+    # blocks (runs crossing from one row to the next).
+    settings = Settings(blocked_scan=blocked, block_chunks=2, bwd_dh_chunks=dh_chunks)
+    xs, h0 = rwkv7_inputs(2, 100, 2, 32, 32, decay="wide", seed=dh_chunks)
+    got = run(interp, xs, h0, 0.7, settings=settings)
+    assert_close(got, naive(xs, h0, 0.7), CPU_TOL, f"{blocked=} {dh_chunks=}")
+
+
 def test_blocked_scans_are_chosen_for_few_sequences():
     # the benchmark's B=2 T=16384 and B=8 T=4096 (H=16, V=64)
     assert Settings().blocked(2, 16, 64) and not Settings().blocked(8, 16, 64)
@@ -268,9 +281,10 @@ def test_gpu_matches_cpu_torch_path():
 
 
 # Non-default settings, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
-# sequences with K != V.
+# sequences with K != V (the backward holding dh for 5 or 16 chunks at a time, or for all).
 VARIANTS = [dict(prep_maxnreg=None), dict(prep_maxnreg=128), dict(blocked_scan=False),
-            dict(blocked_scan=True, block_chunks=8)]
+            dict(blocked_scan=False, bwd_dh_chunks=5), dict(blocked_scan=False, bwd_dh_chunks=0),
+            dict(blocked_scan=True, block_chunks=8), dict(blocked_scan=True, block_chunks=8, bwd_dh_chunks=20)]
 
 
 @gpu
