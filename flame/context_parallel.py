@@ -1,12 +1,13 @@
 """Context parallelism for the recurrent models: every row of a micro-batch is cut into `size` contiguous pieces, one
 per rank of a cp group, and the models exchange only what crosses a piece boundary (docs/context_parallel.md):
 
-- the recurrent state: each rank runs its chunk op from a zero state, which gives its local final state S_r, and
-  forms the transition A_r that carries an incoming state through its piece (RWKV-6 / GSA: a diagonal decay; RWKV-7:
-  the K x K product of its per-token transitions, the chunk op run on v = 0 from the identity). The pairs are
-  all-gathered, each rank folds those of the ranks before it in order, E_r = A_r(E_{r-1}) + S_r, and reruns its chunk
-  op from E_{r-1}. The gather is differentiable: its backward sums every rank's gradient of the gathered states and
-  hands each rank the part of its own.
+- the recurrent state: each rank forms, from its piece alone, its local final state S_r (from a zero state) and the
+  transition A_r that carries an incoming state through the piece (RWKV-6 / GSA: a diagonal decay; RWKV-7: the K x K
+  product of its per-token transitions). The pairs are all-gathered, each rank folds those of the ranks before it in
+  order, E_r = A_r(E_{r-1}) + S_r, and adds what E_{r-1} contributes to its outputs (RWKV-7, RWKV-6: a product
+  afterwards, the outputs being linear in the state; GSA: its chunk op runs from E_{r-1}). One chunk op per layer
+  and rank in every case (RWKV-7's over V + K value columns). The gather is differentiable: its backward sums every
+  rank's gradient of the gathered states and hands each rank the part of its own.
 - the token shift / short convolution inputs: the previous rank's last token(s) of every row, gathered the same way.
 
 Packed documents: a piece's row starts a segment of the local cu_seqlens; the incoming state and tokens reach only
@@ -93,7 +94,8 @@ class Piece:
     """What a model's layers need of their rank's piece: B rows of T tokens each (flattened to one packed row when
     cu_seqlens is given). Per row: continues (1 where its first token continues the previous rank's document, fp32
     [B]), first_seg / last_seg (its first and last segment among the chunk op's sequences), carries (1 where the row
-    piece is one continuing segment: an incoming state crosses it), last_start (where its last segment starts)."""
+    piece is one continuing segment: an incoming state crosses it), first_end / last_start (where its first segment
+    ends and its last one starts)."""
 
     cp: ContextParallel
     B: int
@@ -103,6 +105,7 @@ class Piece:
     last_seg: torch.Tensor
     carries: torch.Tensor
     last_start: torch.Tensor
+    first_end: torch.Tensor
     segments: int
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +127,8 @@ def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: 
     continues = continues.to(device=dev, dtype=torch.float32)
     if cu_seqlens is None:
         seg = torch.arange(B, device=dev)
-        return Piece(cp, B, T, continues, seg, seg, continues, torch.zeros(B, dtype=torch.long, device=dev), B)
+        zero, end = torch.zeros(B, dtype=torch.long, device=dev), torch.full((B,), T, device=dev)
+        return Piece(cp, B, T, continues, seg, seg, continues, zero, end, B)
     cu = cu_seqlens.long()
     row_starts = torch.arange(B, device=dev) * T
     first = torch.searchsorted(cu[:-1], row_starts)
@@ -133,7 +137,7 @@ def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: 
     n = cu.numel() - 1
     last = torch.cat([first[1:], first.new_tensor([n])]) - 1
     carries = continues * (first == last).float()
-    return Piece(cp, B, T, continues, first, last, carries, cu[last] - row_starts, n)
+    return Piece(cp, B, T, continues, first, last, carries, cu[last] - row_starts, cu[first + 1] - row_starts, n)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -203,6 +207,26 @@ def first_segment_states(piece: Piece, state: torch.Tensor) -> torch.Tensor:
     return state.new_zeros(piece.segments, *state.shape[1:]).index_add(0, piece.first_seg, state)
 
 
+def first_segment_mask(piece: Piece) -> torch.Tensor:
+    """[B, T, 1, 1] fp32: 1 on the tokens an incoming state reaches (the row's first segment, if it continues)."""
+    idx = torch.arange(piece.T, device=piece.continues.device)
+    mask = (idx[None] < piece.first_end[:, None]).float() * piece.continues[:, None]
+    return mask[..., None, None]
+
+
+def last_segment_mask(piece: Piece) -> torch.Tensor:
+    """[B, T, 1, 1] fp32: 1 on the tokens of each row's last segment (those its final state sums)."""
+    idx = torch.arange(piece.T, device=piece.continues.device)
+    return (idx[None] >= piece.last_start[:, None]).float()[..., None, None]
+
+
+def exclusive_cumsum(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Along dim 1: sum over s < t (reverse: s > t) of x_s."""
+    if reverse:
+        return exclusive_cumsum(x.flip(1)).flip(1)
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1).cumsum(1)
+
+
 def row_log_decay_sum(piece: Piece, w: torch.Tensor) -> torch.Tensor:
     """The diagonal transition of each row's piece, exp(sum of the log decays w [B or 1, B*T, H, D]) [B, H, D] fp32,
     zero where the row does not carry."""
@@ -210,46 +234,60 @@ def row_log_decay_sum(piece: Piece, w: torch.Tensor) -> torch.Tensor:
     return total * piece.carries[:, None, None]
 
 
-# The three recurrences run as pieces: local state from zero, transition, exchange, then the chunk op from the
-# incoming state. Only the public chunk calls are used (the Triton path on CUDA, the PyTorch path on CPU).
+def add_incoming(piece: Piece, o: torch.Tensor, reach: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """o [B or 1, B*T, H, V] plus what the incoming state [B, H, K, V] adds to it: reach_t^T E on the tokens it
+    reaches, reach [.., H, K] being what the identity state gives at t (the output is linear in the state)."""
+    extra = torch.einsum("bthk,bhkv->bthv", piece.rows(reach).float(), state) * first_segment_mask(piece)
+    return o + extra.to(o.dtype).reshape(o.shape)
+
+
+# The three recurrences run as pieces: local outputs and state from zero, transition, exchange, then what the
+# incoming state adds. Only the public chunk calls are used (the Triton path on CUDA, the PyTorch path on CPU).
 
 def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
-    """chunk_rwkv7 (decay logits z, bias w0, scale 1) of this rank's piece, continuing the previous ranks' states."""
+    """chunk_rwkv7 (decay logits z, bias w0, scale 1) of this rank's piece, continuing the previous ranks' states.
+    One chunk op over [v | 0] from [0 | I] (its columns are independent): the left V columns give the local outputs
+    and final state, the right K the transition P = prod_t (diag(e^w_t) + b_t a_t^T) (final state) and each token's
+    reach r_t^T prod_{s<=t} (...) (outputs), through which the incoming state E adds reach_t^T E."""
     from kernels.rwkv7 import chunk_rwkv7
 
-    run = lambda v_, h0: chunk_rwkv7(r, z, k, v_, a, b, scale=1.0, initial_state=h0,  # noqa: E731
-                                     output_final_state=True, cu_seqlens=cu_seqlens, w_bias=w0)
-    _, local = run(v, None)
-    # the transition P = prod_t (diag(e^w_t) + b_t a_t^T): the state that the identity becomes with v = 0
-    K = k.shape[-1]
-    eye = torch.eye(K, device=k.device).expand(piece.segments, k.shape[2], K, K)
-    _, product = run(k.new_zeros(k.shape), eye)
-    carries = piece.carries[:, None, None, None]
-    state, = incoming_state(piece, [local[piece.last_seg]], [product[piece.last_seg] * carries],
+    V, (_, _, H, K) = v.shape[-1], k.shape
+    wide = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], -1)
+    eye = torch.eye(K, device=k.device).expand(piece.segments, H, K, K)
+    h0 = torch.cat([eye.new_zeros(piece.segments, H, K, V), eye], -1)
+    o, final = chunk_rwkv7(r, z, k, wide, a, b, scale=1.0, initial_state=h0, output_final_state=True,
+                           cu_seqlens=cu_seqlens, w_bias=w0)
+    o, reach = o.split([V, K], -1)
+    local, product = final[piece.last_seg].split([V, K], -1)
+    state, = incoming_state(piece, [local], [product * piece.carries[:, None, None, None]],
                             lambda p, e: [p[0] @ e[0]])
-    return run(v, first_segment_states(piece, state))[0]
+    return add_incoming(piece, o, reach, state)
 
 
 def chunk_rwkv6_cp(piece: Piece, r, k, v, w, u, cu_seqlens):
-    """chunk_rwkv6 (log decay w, bonus u, scale 1) of this rank's piece, continuing the previous ranks' states."""
+    """chunk_rwkv6 (log decay w, bonus u, scale 1) of this rank's piece, continuing the previous ranks' states: the
+    chunk op from zero, then the incoming state E adds (r_t e^{sum_{s<t} w_s})^T E (the bonus term has no state)."""
     from kernels.rwkv6 import chunk_rwkv6
 
-    run = lambda h0: chunk_rwkv6(r, k, v, w, u, scale=1.0, initial_state=h0,  # noqa: E731
-                                 output_final_state=True, cu_seqlens=cu_seqlens)
-    _, local = run(None)
-    state, = incoming_state(piece, [local[piece.last_seg]], [row_log_decay_sum(piece, w)],
+    o, final = chunk_rwkv6(r, k, v, w, u, scale=1.0, output_final_state=True, cu_seqlens=cu_seqlens)
+    state, = incoming_state(piece, [final[piece.last_seg]], [row_log_decay_sum(piece, w)],
                             lambda d, e: [d[0][..., None] * e[0]])
-    return run(first_segment_states(piece, state))[0]
+    reach = r.float() * exclusive_cumsum(piece.rows(w.float())).exp().reshape(r.shape)
+    return add_incoming(piece, o, reach, state)
 
 
 def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens):
-    """chunk_gsa (scale 1) of this rank's piece, continuing the previous ranks' two slot states: both are sums of
-    per-token writes decayed by e^g over the slots, so both cross the piece by the same diagonal transition."""
+    """chunk_gsa (scale 1) of this rank's piece, continuing the previous ranks' two slot states. The softmax between
+    the passes keeps the incoming state from being added afterwards, so the chunk op runs once, from it; the local
+    final states it needs first are sums of decayed writes, Hk = sum_t k_t (s_t e^{sum_{u>t} g_u})^T and Hv = sum_t
+    (s_t e^{...}) v_t^T over each row's last segment, and both cross a piece by the same diagonal decay."""
     from kernels.gsa import chunk_gsa
 
-    run = lambda h0: chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=h0,  # noqa: E731
-                               output_final_state=True, cu_seqlens=cu_seqlens)
-    _, (hk, hv) = run(None)
-    hk_in, hv_in = incoming_state(piece, [hk[piece.last_seg], hv[piece.last_seg]], [row_log_decay_sum(piece, g)],
+    g_rows = piece.rows(g.float())
+    writes = piece.rows(s.float()) * exclusive_cumsum(g_rows, reverse=True).exp() * last_segment_mask(piece)
+    hk = torch.einsum("bthk,bthm->bhkm", piece.rows(k.float()), writes)
+    hv = torch.einsum("bthm,bthv->bhmv", writes, piece.rows(v.float()))
+    hk_in, hv_in = incoming_state(piece, [hk, hv], [row_log_decay_sum(piece, g)],
                                   lambda d, e: [e[0] * d[0][:, :, None, :], d[0][..., None] * e[1]])
-    return run((first_segment_states(piece, hk_in), first_segment_states(piece, hv_in)))[0]
+    h0 = (first_segment_states(piece, hk_in), first_segment_states(piece, hv_in))
+    return chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=h0, cu_seqlens=cu_seqlens)[0]
