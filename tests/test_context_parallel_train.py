@@ -2,9 +2,10 @@
 the convolution's previous tokens cross the piece boundary) at training.seq_len 512 on packed text documents
 (data.varlen: documents cross the boundary) repeat one process's losses with 2 ranks at context_parallel_degree 2;
 SIGKILL and relaunch resume them bit for bit; the checkpoint resumes on one process (cp 1) with its data position;
-resuming it as plain data parallelism stops with one line; a layout that does not fit the processes stops before any
-starts. The model math itself (RWKV-7, RWKV-6, GSA, gradients) is checked against cp 1 in tests/models/; cp x dp
-ranks against a plain PyTorch reference in tests/test_loss_normalization.py.
+resuming it as plain data parallelism stops with one line. Elsewhere: the model math (RWKV-7, RWKV-6, GSA,
+gradients) against cp 1 in tests/test_context_parallel_models.py, cp x dp ranks against a plain PyTorch reference in
+tests/test_loss_normalization.py, the config errors (also flame.check_config --world-size, launch.sh's check) in
+tests/test_config.py.
 
 The tiny config at a 512-token vocabulary (a byte BPE trained here on the sample's eval documents, so the embedding
 and the head do not dominate the CPU time), one row per micro-batch, data read in the training process. The cp runs go
@@ -133,10 +134,3 @@ def test_cp2_checkpoint_resumes_on_one_process_and_not_as_data_parallel(referenc
     assert "resumed from step 10" in proc.stdout and "context_parallel_degree: 2" in proc.stdout
     assert_close(by_step(killed), by_step(reference), range(11, STEPS + 1))
 
-
-def test_layout_that_does_not_fit_stops_before_any_process_starts(tmp_path, tokenizer):
-    dump = tmp_path / "run"
-    proc = launch(dump, "--parallelism.context_parallel_degree=2", nproc=3, tokenizer=tokenizer)
-    assert proc.returncode == 2 and proc.stdout == "" and not dump.exists()
-    assert proc.stderr.strip() == (f"config error: {CONFIG}: parallelism: expected dp_replicate * dp_shard * "
-                                   "context_parallel_degree = number of processes (3), got '1 * -1 (the rest) * 2'")
