@@ -19,6 +19,7 @@ The API the trainer uses: ContextParallel, split_batch, enable, required_multipl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -89,6 +90,21 @@ def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
     model.context_parallel = cp
 
 
+_OUTSIDE_COMPILE: dict[str, Callable] = {}
+
+
+def outside_compile(fn):
+    """fn, run outside torch.compile (a graph break: its collectives stay eager). make_piece, which runs eagerly
+    before any block, puts torch.compiler.disable(fn) in place: applying it at import would import Dynamo (seconds)
+    into every process that imports a model."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return _OUTSIDE_COMPILE.get(fn.__name__, fn)(*args, **kwargs)
+
+    call.plain = fn
+    return call
+
+
 @dataclass
 class Piece:
     """What a model's layers need of their rank's piece: B rows of T tokens each (flattened to one packed row when
@@ -118,6 +134,8 @@ def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: 
     """The Piece of a model's forward (input_ids [B, T] before any packing), or None without cp."""
     if cp is None:
         return None
+    if not _OUTSIDE_COMPILE:
+        _OUTSIDE_COMPILE.update((f.__name__, torch.compiler.disable(f.plain)) for f in (incoming_state, previous_tokens))
     B, T = input_ids.shape
     dev = input_ids.device
     if continues is None:
@@ -165,7 +183,7 @@ def _gather(cp: ContextParallel, tensors: list[torch.Tensor]) -> list[list[torch
     return [[p.view_as(t) for p, t in zip(row.split(sizes), tensors)] for row in rows.unbind(0)]
 
 
-@torch.compiler.disable
+@outside_compile
 def incoming_state(piece: Piece, local: list[torch.Tensor], transition: list[torch.Tensor],
                    carry: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
     """The state entering this rank's rows [B, ...] (fp32), each row's from the ranks before it:
@@ -182,7 +200,7 @@ def incoming_state(piece: Piece, local: list[torch.Tensor], transition: list[tor
     return [torch.stack(states)[piece.cp.rank] for states in zip(*prefixes)]
 
 
-@torch.compiler.disable
+@outside_compile
 def previous_tokens(piece: Piece, last: torch.Tensor) -> torch.Tensor:
     """The previous rank's `last` [B, n, C] (its rows' last n tokens, zeroed where they are not in its rows' last
     segment), zero where this rank's row does not continue that document: [B, n, C] fp32."""
