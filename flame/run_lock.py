@@ -12,11 +12,27 @@ import fcntl
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from flame.config import RunError
 
 LOCK_NAME = ".lock"
+ENDING_WAIT_S = 10.0
+"""How long a lock whose holder is ending (gone or exiting) is waited for before the folder counts as in use."""
+
+
+def holder_is_ending(holder: str) -> bool:
+    """The holder named in the lock file ran on this host and is gone or exiting (no command line left): the lock is
+    still held only by processes being torn down, a run killed a moment ago whose data workers (which inherit the
+    lock's file) have not finished exiting. False where /proc cannot tell."""
+    host, _, pid = holder.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit() or not Path("/proc/self").exists():
+        return False
+    try:
+        return not Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
 
 
 class RunLock:
@@ -28,13 +44,19 @@ class RunLock:
         """(True, previous holder left in the file or "") when taken, (False, holder) when another process has it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         f = open(self.path, "a+")  # no truncation: the holder's line stays readable
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown holder"
-            f.close()
-            return False, holder
+        deadline = time.monotonic() + ENDING_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown holder"
+                if holder_is_ending(holder) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                f.close()
+                return False, holder
         f.seek(0)
         previous = f.read().strip()
         self.file = f

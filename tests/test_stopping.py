@@ -101,3 +101,33 @@ def test_run_lock_held_by_another_process_stops_every_rank_with_its_name(tmp_pat
         holder.wait()
     lock = lock_run_folder(dump, rank=0)  # the holder is gone: the lock is free again
     lock.release()
+
+
+ENDING_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from flame.run_lock import RunLock
+lock = RunLock(Path(sys.argv[1]))
+assert lock.acquire()[0]
+lock.write_holder()
+if os.fork() == 0:       # a data worker: it inherits the lock's file and outlives the rank by a moment
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1), os.dup2(null, 2)   # (not the test's pipes, which it would hold open as long)
+    time.sleep(float(sys.argv[2]))
+    os._exit(0)
+print("held", flush=True)
+os._exit(0)              # the rank (the named holder) is gone at once
+"""
+
+
+def test_a_lock_held_only_by_an_ending_run_is_waited_for_not_reported(tmp_path):
+    # A run killed a moment ago: its rank (named in the lock file) is gone, a forked worker still holds the lock's
+    # file while it exits. The launcher's check waits for it instead of calling the folder in use.
+    proc = subprocess.run(["python3", "-c", ENDING_HOLDER, str(tmp_path), "1.5"], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "held", proc.stderr
+    start = time.monotonic()
+    check = subprocess.run(["python3", "-m", "flame.run_lock", str(tmp_path)], cwd=REPO, env=env(),
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    assert time.monotonic() - start < 10   # the worker's 1.5 s, not the whole wait
