@@ -132,6 +132,18 @@ def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300)
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+def launch_sh(config, *args: str, nproc: int, wait: bool = True, timeout: int = 300, **extra_env: str):
+    """scripts/launch.sh CONFIG ARGS with NPROC ranks, in a session of its own (so that a test can signal its whole
+    process group): its CompletedProcess once it ends, or with wait=False the running Popen."""
+    cmd = ["bash", "scripts/launch.sh", str(config), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC=str(nproc), **extra_env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def read_metrics(dump: Path, key: str = "loss") -> list[dict]:
     """The metrics.jsonl records that carry `key` (training steps by default; eval and checkpoint lines apart)."""
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flame.export import load_exported
-from tests.helpers import REPO, env, read_checkpoint, read_metrics, run_train, write_config
+from tests.helpers import REPO, env, launch_sh, read_checkpoint, read_metrics, run_train, write_config
 
 # the tiny default config on the bundled sample text (2 data workers per rank), made short
 TEXT = ["--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
@@ -21,14 +21,8 @@ CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor
 
 
 def launch(dump, *overrides, nproc=2, wait=True):
-    cmd = ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT,
-           *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC=str(nproc)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return launch_sh("configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT, *overrides, nproc=nproc,
+                     wait=wait)
 
 
 def wait_for(path, proc, timeout=240):

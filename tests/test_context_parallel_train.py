@@ -17,12 +17,11 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import time
 
 import pytest
 
-from tests.helpers import REPO, byte_bpe, env, read_metrics, run_processes, run_train, wait_for_step
+from tests.helpers import REPO, byte_bpe, launch_sh, read_metrics, run_processes, run_train, wait_for_step
 
 CONFIG = REPO / "configs/gsa_tiny.toml"
 STEPS = 20
@@ -41,13 +40,7 @@ def tiny(dump, tokenizer, *overrides) -> list[str]:
 
 
 def launch(dump, *overrides, nproc, tokenizer, wait=True):
-    cmd = ["bash", "scripts/launch.sh", str(CONFIG), *tiny(dump, tokenizer, *overrides)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC=str(nproc)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return launch_sh(CONFIG, *tiny(dump, tokenizer, *overrides), nproc=nproc, wait=wait)
 
 
 def by_step(dump) -> dict[int, dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from flame.checkpoint import complete_steps, unreadable_file
-from tests.helpers import REPO, env, last_step, read_metrics, run_train, wait_for_step, write_config
+from tests.helpers import REPO, env, last_step, launch_sh, read_metrics, run_train, wait_for_step, write_config
 
 CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0"]
 # checkpoints every 2 steps, all kept: a restart resumes from a step before the fault
@@ -31,10 +31,7 @@ RANK_PREFIX = re.compile(r"^\[default\d+\]:")
 
 
 def launch(config: Path, *overrides: str, nproc: int = 2, **extra_env: str) -> subprocess.Popen:
-    """scripts/launch.sh in a session of its own (so that the test can signal its whole process group)."""
-    return subprocess.Popen(["bash", "scripts/launch.sh", str(config), *overrides], cwd=REPO,
-                            env=dict(env(), NPROC=str(nproc), **extra_env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return launch_sh(config, *overrides, nproc=nproc, wait=False, **extra_env)
 
 
 def rank_pid(dump: Path, rank: int, attempt: int = 0) -> int:
