@@ -4,10 +4,14 @@ table over models and variants, with FLA's own models beside ours.
     python benchmarks/bench_train.py configs/rwkv7_0.6B.toml configs/gsa_0.6B.toml configs/transformer_0.6B.toml \
         --steps 30 --variants compile+ac,compile+sac
     python benchmarks/bench_train.py configs/rwkv7_0.6B.toml --steps 10 --nproc 1,8 --variants nocompile,hsdp --no-fla
+    python benchmarks/bench_train.py configs/rwkv7_0.6B.toml --steps 10 --nproc 1,2,4 --variants cp --no-fla \
+        --training.batch_size=1 --training.seq_len=32768 --training.gradient_accumulation_steps=1
 
 Each config and variant runs `scripts/launch.sh` (torchrun, each count of --nproc processes) in a fresh process on the
 synthetic token stream (no data loading cost, no checkpoints); "hsdp" replicates over 2 groups and shards within
-each. The first half of the steps warms up (compilation, autotuning, allocator); the figures come from the metrics
+each; "cp" splits every row over all the processes (context parallelism) at the sequence length times their count,
+so that each process holds the single process's tokens and its scaling is the goal's "per GPU at a quarter of the
+context". The first half of the steps warms up (compilation, autotuning, allocator); the figures come from the metrics
 of the second half only, one line per step: the median step's tokens/s and MFU, the peak memory. Time to first step:
 from the start of a rank's process to the end of its first step (imports, building, compiling, autotuning).
 
@@ -44,6 +48,7 @@ VARIANTS = {
     "compile+ac": ["--training.compile=true", AC],
     "compile+sac": ["--training.compile=true", SAC],
     "hsdp": ["--parallelism.dp_replicate=2"],
+    "cp": [],  # context_parallel_degree and seq_len from the process count: cp_args
 }
 FLA_MODELS = ("rwkv7", "gsa")
 """flame models with an FLA counterpart (flame/convert_fla.py)."""
@@ -121,6 +126,16 @@ def model_name(config: str) -> str:
     return load_config(config).model.name
 
 
+def cp_args(variant: str, config: str, nproc: int, overrides: list[str]) -> list[str]:
+    """The "cp" variant's overrides (after the user's, so its sequence length wins)."""
+    if variant != "cp":
+        return []
+    from flame.config import load_config
+
+    seq_len = load_config(config, overrides).training.seq_len
+    return [f"--parallelism.context_parallel_degree={nproc}", f"--training.seq_len={seq_len * nproc}"]
+
+
 def usage_error(line: str) -> None:
     print(f"bench_train: {line}", file=sys.stderr)
     sys.exit(2)
@@ -153,7 +168,8 @@ def main() -> None:
             for variant in variants:
                 if variant == "hsdp" and (n < 2 or n % 2):
                     continue  # 2 replicas need an even number of ranks
-                r = run_flame(config, a.steps, VARIANTS[variant] + a.overrides, n, a.timeout)
+                extra = VARIANTS[variant] + a.overrides + cp_args(variant, config, n, a.overrides)
+                r = run_flame(config, a.steps, extra, n, a.timeout)
                 rows.append((name, n, variant, r))
                 print(name, n, variant, json.dumps(r), flush=True)
         if not a.no_fla and model_name(config) in FLA_MODELS:

@@ -30,6 +30,8 @@ def saves_output(func) -> bool:
     namespace, name = getattr(func, "namespace", None), getattr(func, "_opname", "")
     if namespace == "aten":
         return name in SAVED_ATEN_OPS or name.startswith(SAVED_ATEN_PREFIXES)
+    if namespace == "_c10d_functional":  # context parallelism's exchanges: never run a collective again in backward
+        return True
     if namespace == "flame":
         return (name.startswith(CHUNK_KERNEL_PREFIX) and not name.endswith("_bwd")) or name in SAVED_GLUE_OPS
     return False

@@ -19,7 +19,6 @@ The API the trainer uses: ContextParallel, split_batch, enable, required_multipl
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,21 +89,6 @@ def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
     model.context_parallel = cp
 
 
-_OUTSIDE_COMPILE: dict[str, Callable] = {}
-
-
-def outside_compile(fn):
-    """fn, run outside torch.compile (a graph break: its collectives stay eager). make_piece, which runs eagerly
-    before any block, puts torch.compiler.disable(fn) in place: applying it at import would import Dynamo (seconds)
-    into every process that imports a model."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return _OUTSIDE_COMPILE.get(fn.__name__, fn)(*args, **kwargs)
-
-    call.plain = fn
-    return call
-
-
 @dataclass
 class Piece:
     """What a model's layers need of their rank's piece: B rows of T tokens each (flattened to one packed row when
@@ -134,8 +118,6 @@ def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: 
     """The Piece of a model's forward (input_ids [B, T] before any packing), or None without cp."""
     if cp is None:
         return None
-    if not _OUTSIDE_COMPILE:
-        _OUTSIDE_COMPILE.update((f.__name__, torch.compiler.disable(f.plain)) for f in (incoming_state, previous_tokens))
     B, T = input_ids.shape
     dev = input_ids.device
     if continues is None:
@@ -158,32 +140,24 @@ def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: 
     return Piece(cp, B, T, continues, first, last, carries, cu[last] - row_starts, cu[first + 1] - row_starts, n)
 
 
-class _GatherRows(torch.autograd.Function):
-    """all_gather of one flat tensor per rank -> [size, n]; backward: every rank's gradient summed, own row kept."""
+def all_gather_autograd():
+    """torch's differentiable all-gather along dim 0 (its backward reduce-scatters: every rank's gradient summed, each
+    rank keeping its own part). A functional collective: Dynamo traces it, so a compiled, checkpointed block stays one
+    graph (a graph break inside a checkpoint runs the whole block eagerly). Newer torch names it
+    all_gather_single_autograd (the older name warns there)."""
+    import torch.distributed._functional_collectives as fc
 
-    @staticmethod
-    def forward(ctx, flat, group, rank, size):
-        ctx.group, ctx.rank = group, rank
-        out = [torch.empty_like(flat) for _ in range(size)]
-        dist.all_gather(out, flat.contiguous(), group=group)
-        return torch.stack(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
+    return getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 
 
 def _gather(cp: ContextParallel, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Each rank's `tensors` (same shapes on every rank), differentiably: [rank][i]."""
     flat = torch.cat([t.float().reshape(-1) for t in tensors])
-    rows = _GatherRows.apply(flat, cp.group, cp.rank, cp.size)
+    rows = all_gather_autograd()(flat[None], 0, cp.group)
     sizes = [t.numel() for t in tensors]
     return [[p.view_as(t) for p, t in zip(row.split(sizes), tensors)] for row in rows.unbind(0)]
 
 
-@outside_compile
 def incoming_state(piece: Piece, local: list[torch.Tensor], transition: list[torch.Tensor],
                    carry: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
     """The state entering this rank's rows [B, ...] (fp32), each row's from the ranks before it:
@@ -200,7 +174,6 @@ def incoming_state(piece: Piece, local: list[torch.Tensor], transition: list[tor
     return [torch.stack(states)[piece.cp.rank] for states in zip(*prefixes)]
 
 
-@outside_compile
 def previous_tokens(piece: Piece, last: torch.Tensor) -> torch.Tensor:
     """The previous rank's `last` [B, n, C] (its rows' last n tokens, zeroed where they are not in its rows' last
     segment), zero where this rank's row does not continue that document: [B, n, C] fp32."""

@@ -14,10 +14,14 @@ from flame.loss import IGNORE_INDEX
 from tests.tiny_models import tiny_model, wake_branches
 
 B, T, VOCAB = 2, 32, 64
-DOC_STARTS = [[0, 5, 16, 23, 27], [0, 1, 24, 26]]
-"""Document starts per row: documents cross the piece boundaries of cp 2 and 4 (8, 16, 24), start exactly on one (16,
-24), one starts a token before one (23: the next piece continues it, its convolution must not read 21 and 22), and
-row 1's second document spans whole pieces (a transition carried through them)."""
+
+
+def doc_starts(T: int) -> list[list[int]]:
+    """Document starts per row, in units of T / 32: documents cross the piece boundaries of cp 2 and 4 (8, 16, 24),
+    start exactly on one (16, 24), one starts a token before one (24u - 1: the next piece continues it, its convolution
+    must not read the tokens before), and row 1's second document spans whole pieces (a transition carried through)."""
+    u = T // 32
+    return [[0, 5 * u, 16 * u, 24 * u - 1, 27 * u], [0, u, 24 * u, 26 * u]]
 
 CASES = {
     "rwkv7": dict(name="rwkv7", vocab_size=VOCAB, hidden_size=32, num_layers=2, head_dim=16),
@@ -38,14 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def global_batch(packed: bool) -> dict:
+def global_batch(packed: bool, T: int = T) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(VOCAB, (B, T), generator=g)
     labels = torch.randint(VOCAB, (B, T), generator=g)
     labels[torch.rand(B, T, generator=g) < 0.2] = IGNORE_INDEX
     batch = {"input_ids": ids, "labels": labels}
     if packed:
-        starts = [row * T + s for row, row_starts in enumerate(DOC_STARTS) for s in row_starts]
+        starts = [row * T + s for row, row_starts in enumerate(doc_starts(T)) for s in row_starts]
         batch["cu_seqlens"] = torch.tensor(starts + [B * T], dtype=torch.int32)
     return batch
 
@@ -59,18 +63,40 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Te
     model.zero_grad()
     loss = model(**batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    plain = lambda n: n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731 (wrappers)
+    return loss.detach(), {plain(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def case_names() -> list[str]:
     return [f"{case}{'_packed' if packed else ''}" for case in CASES for packed in (False, True)]
 
 
-def case_run(name: str, cp: ContextParallel | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One forward + backward of case `name` on the global batch: whole rows (cp None), or this rank's piece with
-    loss and gradients summed over the cp group (what FSDP's gradient reduction over the group adds up)."""
+COMPILED = ("rwkv7", "gsa_conv")
+"""Cases also run at cp = 2 with training's selective checkpointing and each block compiled whole (fullgraph: the
+exchanges inside a checkpointed block must not break its graph, which would run the block eagerly). Rows, not packed:
+the CPU reference path of packed documents loops over their data-dependent lengths (a graph break of its own)."""
+
+
+def compile_whole_blocks(model) -> None:
+    """Training's selective checkpoint wrapper around each block, then torch.compile of it with fullgraph=True
+    (aot_eager: AOTAutograd and the checkpoint policy as training's Inductor sees them, without code generation)."""
+    from flame.activation_checkpoint import wrap_blocks
+
+    wrap_blocks(model, "selective")
+    for block in model.layers:
+        block.compile(backend="aot_eager", fullgraph=True)
+
+
+def case_run(name: str, cp: ContextParallel | None, T: int = T, device: str = "cpu",
+             compiled: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward + backward of case `name` on the global batch of rows of T tokens: whole rows (cp None), or this
+    rank's piece with loss and gradients summed over the cp group (what FSDP's gradient reduction over the group adds
+    up). On a CUDA device the models run the Triton kernels. compiled: compile_whole_blocks first."""
     packed = name.endswith("_packed")
-    model, batch = build(CASES[name.removesuffix("_packed")]), global_batch(packed)
+    model = build(CASES[name.removesuffix("_packed")]).to(device)
+    if compiled:
+        compile_whole_blocks(model)
+    batch = {k: v.to(device) for k, v in global_batch(packed, T).items()}
     if cp is None:
         return loss_and_grads(model, batch)
     enable(model, cp)
@@ -81,21 +107,34 @@ def case_run(name: str, cp: ContextParallel | None) -> tuple[torch.Tensor, dict[
 
 
 WORLD = 4
-"""One start of 4 gloo ranks runs cp = 4 over all of them and cp = 2 over the pairs (0, 1) and (2, 3), each pair half
-of the cases."""
+"""One start of 4 ranks runs cp = 4 over all of them and cp = 2 over the pairs (0, 1) and (2, 3), each pair half of
+the cases; one start of 2 ranks (2 GPUs) runs every case at cp = 2."""
 
 
-def worker(rank: int, port: int, out: str) -> None:
-    """Every case at cp = 2 and 4; each group's rank 0 saves (loss sum, gradients) to out/{size}_{case}.pt."""
+def worker(rank: int, port: int, out: str, world: int = WORLD, T: int = T, cuda: bool = False) -> None:
+    """Every case at cp = 2 (and 4 on 4 ranks); each group's rank 0 saves (loss sum, gradients) to
+    out/{size}_{case}.pt. CPU: gloo ranks; cuda: NCCL, rank r on GPU r."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    for cp, names in ((ContextParallel(pairs[rank // 2], rank % 2, 2), case_names()[rank // 2::2]),
-                      (ContextParallel(dist.group.WORLD, rank, WORLD), case_names())):
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    if world == 2:
+        runs = [(ContextParallel(dist.group.WORLD, rank, 2), case_names())]
+    else:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        runs = [(ContextParallel(pairs[rank // 2], rank % 2, 2), case_names()[rank // 2::2]),
+                (ContextParallel(dist.group.WORLD, rank, world), case_names())]
+    for cp, names in runs:
         for name in names:
-            result = case_run(name, cp)
+            result = case_run(name, cp, T, device)
             if cp.rank == 0:
                 torch.save(result, os.path.join(out, f"{cp.size}_{name}.pt"))
+    pair = runs[0][0]
+    for name in COMPILED[rank // 2::2] if world == 4 else COMPILED:
+        result = case_run(name, pair, T, device, compiled=True)
+        if pair.rank == 0:
+            torch.save(result, os.path.join(out, f"{pair.size}_{name}_compiled.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -81,6 +81,7 @@ def test_selective_keeps_the_registered_chunk_kernels():
         assert saves_output(getattr(torch.ops.flame, name).default), name
         assert not saves_output(getattr(torch.ops.flame, f"{name}_bwd").default), name
     assert saves_output(torch.ops.aten.mm.default) and not saves_output(torch.ops.aten.mul.Tensor)
+    assert saves_output(torch.ops._c10d_functional.all_gather_into_tensor.default)  # cp exchanges: not repeated
     # of the fused glue ops, RWKV-7's output epilogue (the output projection's input) is kept; the others recomputed
     import kernels.rwkv7_key  # noqa: F401
     import kernels.rwkv7_out  # noqa: F401

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from flame.context_parallel import ContextParallel, enable, split_batch
 from flame.models import model_args_class
-from tests.cp_helpers import WORLD, case_names, case_run, free_port, global_batch, worker
+from tests.cp_helpers import COMPILED, WORLD, case_names, case_run, free_port, global_batch, worker
 from tests.tiny_models import tiny_model
 
 LOSS_RTOL = 1e-6
@@ -56,6 +56,17 @@ def test_cp_equals_whole_rows(cp_results, size, name):
         assert err <= GRAD_RTOL, f"{param}: gradient off by {err:.2e} of its largest"
 
 
+@pytest.mark.parametrize("name", COMPILED)
+def test_cp_compiled_blocks_equal_whole_rows(cp_results, name):
+    """Checkpointed blocks compiled whole (fullgraph) at cp = 2 give the uncompiled whole rows' loss and gradients."""
+    ref_loss, ref_grads = whole_rows(name)
+    loss, grads = torch.load(cp_results / f"2_{name}_compiled.pt")
+    assert abs(float(loss - ref_loss)) <= LOSS_RTOL * abs(float(ref_loss)), (float(loss), float(ref_loss))
+    for param, ref in ref_grads.items():
+        err = float((grads[param] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        assert err <= GRAD_RTOL, f"{param}: gradient off by {err:.2e} of its largest"
+
+
 def test_split_batch_refuses_indivisible_length():
     cp = ContextParallel(None, 0, 4)
     batch = global_batch(packed=False)
@@ -65,7 +76,7 @@ def test_split_batch_refuses_indivisible_length():
 
 
 def test_split_batch_pieces():
-    """The pieces' own segments and which rows continue the previous piece's document (DOC_STARTS at cp = 4)."""
+    """The pieces' own segments and which rows continue the previous piece's document (doc_starts at cp = 4)."""
     batch = global_batch(packed=True)
     pieces = [split_batch(batch, ContextParallel(None, r, 4)) for r in range(4)]
     assert all(torch.equal(p["input_ids"], batch["input_ids"][:, 8 * r:8 * r + 8]) for r, p in enumerate(pieces))
