@@ -1,7 +1,7 @@
 """scripts/slurm.sbatch under a real Slurm (tests/slurm_cluster.py: one node on this machine; the tiny config, two CPU
-ranks with gloo, the bundled sample text): the job trains step for step like a plain scripts/launch.sh run and is
-not requeued when it ends; USR1 to its batch script (Slurm's preemption notice) stops every rank after its step with
-a checkpoint, the job requeues itself, and the requeued start resumes to the uninterrupted job's losses exactly."""
+ranks with gloo, the bundled sample text): USR1 to the batch script (Slurm's preemption notice) stops every rank after
+its step with a checkpoint, the job requeues itself, the requeued start resumes and ends the job without another
+requeue, and the job's losses are a plain scripts/launch.sh run's, step for step."""
 
 import socket
 import subprocess
@@ -71,24 +71,10 @@ def last_step(dump: Path) -> int:
 
 
 def test_sbatch_trains_like_launch_sh_and_a_preempted_job_requeues_and_resumes_exactly(slurm, tmp_path):
-    # the plain launcher on this machine, outside Slurm, at the same time as the first batch job
+    # the plain launcher on this machine, outside Slurm, at the same time as the batch job
     plain_dump = tmp_path / "plain"
     plain = subprocess.Popen(["bash", "scripts/launch.sh", CONFIG, f"--job.dump_folder={plain_dump}", *ARGS],
                              cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    job_dump, job_out = tmp_path / "job", tmp_path / "job.out"
-    job_id = submit(slurm, job_dump, job_out)
-    job = wait_for(slurm, job_id, job_out, finished, "the end")
-    log = job_out.read_text()
-    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), \
-        log[-3000:] + slurm.logs_tail()
-    assert "requeue" not in log  # a run that reached training.steps ends the job
-    assert "2 ranks on cpu (replicate x shard = (1, 2))" in log  # one node of the job, NPROC ranks on it
-    output, _ = plain.communicate(timeout=JOB_TIMEOUT_S)
-    assert plain.returncode == 0, output[-3000:]
-    expected = losses(plain_dump)
-    assert [step for step, _ in expected] == list(range(1, STEPS + 1))
-    assert losses(job_dump) == expected
-
     # a preemption notice mid-run: USR1 to the batch script alone, as Slurm's --signal=B:USR1@... sends it
     dump, out = tmp_path / "preempted", tmp_path / "preempted.out"
     job_id = submit(slurm, dump, out)
@@ -104,6 +90,7 @@ def test_sbatch_trains_like_launch_sh_and_a_preempted_job_requeues_and_resumes_e
     stopped_at = last_step(dump)
     assert 2 <= stopped_at < STEPS, out.read_text()[-3000:]
     assert (dump / "checkpoint" / f"step-{stopped_at}").is_dir()
+    assert "2 ranks on cpu (replicate x shard = (1, 2))" in out.read_text()  # one node of the job, NPROC ranks on it
     # Slurm holds a requeued job for about two minutes (its BeginTime): start it now, but in a later second than the
     # end of its first start (slurmd refuses a credential issued in the same second as the one it revoked then)
     time.sleep(1.5)
@@ -115,4 +102,9 @@ def test_sbatch_trains_like_launch_sh_and_a_preempted_job_requeues_and_resumes_e
     assert f"stopped at step {stopped_at} on signal SIGUSR1" in log
     assert f"requeueing job {job_id}" in log and f"job {job_id}, start 2" in log
     assert f"resuming run {dump} from step {stopped_at}" in log
-    assert losses(dump) == expected  # every step once, each loss as in the uninterrupted runs
+    assert log.count("requeueing job") == 1  # a start that reaches training.steps ends the job
+    output, _ = plain.communicate(timeout=JOB_TIMEOUT_S)
+    assert plain.returncode == 0, output[-3000:]
+    expected = losses(plain_dump)
+    assert [step for step, _ in expected] == list(range(1, STEPS + 1))
+    assert losses(dump) == expected  # every step once, each loss as the uninterrupted plain run's
