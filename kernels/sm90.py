@@ -9,6 +9,7 @@ as the GPU would compile it.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
@@ -79,8 +80,13 @@ def report(op, what: str = "shared", settings=None) -> dict:
     why = unavailable()
     if why:
         return {"unavailable": why}
-    return {name: (c.metadata.shared if what == "shared" else resources(c))
-            for name, c in ((n, build(b)) for n, b in op_launches(op, settings).items())}
+    compiled = {name: build(b) for name, b in op_launches(op, settings).items()}
+    if what == "shared":
+        return {name: c.metadata.shared for name, c in compiled.items()}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # the disassemblies are subprocesses: run them side by side
+        return dict(zip(compiled, pool.map(resources, compiled.values())))
 
 
 def unavailable() -> str | None:

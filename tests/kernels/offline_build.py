@@ -3,6 +3,7 @@ fresh process without the Triton interpreter, and the skip where this Triton can
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,8 +24,14 @@ def in_fresh_process(code: str):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@functools.cache
+def cuda_backend_unavailable() -> str | None:
+    """Why this Triton cannot compile for CUDA, or None: asked once per test process (a fresh process: seconds)."""
+    return in_fresh_process("import json; from kernels.sm90 import unavailable; print(json.dumps(unavailable()))")
+
+
 def skip_without_cuda_backend():
     pytest.importorskip("triton")
-    why = in_fresh_process("import json; from kernels.sm90 import unavailable; print(json.dumps(unavailable()))")
+    why = cuda_backend_unavailable()
     if why:
         pytest.skip(f"this Triton cannot compile for CUDA: {why}")

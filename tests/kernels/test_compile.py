@@ -52,12 +52,14 @@ def test_recorded_launches_cover_both_regimes_of_each_op():
 
 
 def test_kernel_resources_script_reports_every_build():
+    """The script on one op (RWKV-6: its fewest builds; each build's disassembly takes ~0.5 s); every op's builds
+    compile and fit above."""
     skip_without_cuda_backend()
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_resources.py")], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_resources.py"), "--op", "rwkv6"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     builds = in_fresh_process("import json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches\n"
-                              "print(json.dumps(sum(len(op_launches(op)) for op in OPS.values())))")
+                              "print(json.dumps(len(op_launches(OPS['rwkv6']))))")
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
     assert len(rows) == builds, proc.stdout
     for name, regs, stack, shared, instructions, loop in rows:
