@@ -14,6 +14,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = "<|endoftext|>"
+SMALL_TOKENIZER = REPO / "tests/assets/sample_bpe512.json"
+"""byte_bpe(the sample's eval documents, vocab_size=512), saved (tests/data/test_data_tokenizer.py checks it). Tests of
+the trainer's mechanics on the sample text use it: at GPT-NeoX's 50k vocabulary the tiny configs' embedding and head
+are most of their parameters, so of every step, FSDP gather, optimizer update and checkpoint on the CPU."""
+SMALL_VOCAB = [f"--data.tokenizer={SMALL_TOKENIZER}", "--model.vocab_size=512"]
+"""Overrides: a tiny config on the sample text at SMALL_TOKENIZER's 512 tokens."""
 
 TINY = """
 [job]

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flame.export import load_exported
-from tests.helpers import REPO, env, launch_sh, read_checkpoint, read_metrics, run_train, write_config
+from tests.helpers import REPO, SMALL_VOCAB, env, launch_sh, read_checkpoint, read_metrics, run_train, write_config
 
-# the tiny default config on the bundled sample text (2 data workers per rank), made short
-TEXT = ["--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
+# the tiny default config on the bundled sample text (2 data workers per rank) at a 512-token vocabulary, made short
+TEXT = [*SMALL_VOCAB, "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
         "--lr_scheduler.warmup_steps=2"]
 CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0"]
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, env, read_metrics
+from tests.helpers import REPO, SMALL_VOCAB, env, read_metrics
 from tests.slurm_cluster import SlurmCluster, start_cluster
 
 CONFIG = "configs/transformer_tiny.toml"
 STEPS = 5
-ARGS = [f"--training.steps={STEPS}", "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
+ARGS = [*SMALL_VOCAB, f"--training.steps={STEPS}", "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
         "--lr_scheduler.warmup_steps=1", "--data.num_workers=1", "--checkpoint.interval=1000"]
 JOB_TIMEOUT_S = 180
 

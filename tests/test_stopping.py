@@ -12,10 +12,11 @@ import pytest
 
 from flame.config import RunError
 from flame.run_lock import LOCK_NAME, lock_run_folder
-from tests.helpers import REPO, env, last_step, run_processes, run_train, wait_for_step, write_config
+from tests.helpers import REPO, SMALL_VOCAB, env, last_step, run_processes, run_train, wait_for_step, write_config
 
-# the tiny default config on the bundled sample text: one rank with its 2 data workers, a step every moment
-ARGS = ["--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
+# the tiny default config on the bundled sample text (512-token vocabulary): one rank with its 2 data workers, a step
+# every moment
+ARGS = [*SMALL_VOCAB, "--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
         "--checkpoint.interval=1000", "--checkpoint.keep_latest_k=0", "--lr_scheduler.warmup_steps=0",
         "--training.steps=100000"]
 

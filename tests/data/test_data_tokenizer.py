@@ -28,3 +28,13 @@ def test_decode_gives_back_the_normalized_text(tokenizer):
     for row in ROWS:
         text = row["text"]
         assert tokenizer.tokenizer.decode(row["ids"], skip_special_tokens=False) == unicodedata.normalize("NFC", text)
+
+
+def test_the_tests_small_tokenizer_is_the_sample_bpe(tmp_path):
+    """tests/assets/sample_bpe512.json (tests.helpers.SMALL_TOKENIZER) is what byte_bpe trains on the sample's eval
+    documents today: a file anyone can make again, not an opaque blob."""
+    from tests.helpers import REPO, SMALL_TOKENIZER, byte_bpe
+
+    docs = [json.loads(line)["text"] for line in (REPO / "data/sample/eval/eval-00.jsonl").read_text().splitlines()]
+    byte_bpe(docs, tmp_path / "tokenizer.json", vocab_size=512)
+    assert (tmp_path / "tokenizer.json").read_text() == SMALL_TOKENIZER.read_text()
