@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,13 +132,57 @@ def env() -> dict:
 
 
 def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """One training job in a subprocess: plain python for one rank, torchrun (gloo) for several."""
+    """One training job: torchrun (gloo) for several ranks; one rank is `python -m flame.train`, forked on CPU from
+    this test process's tests/train_forks.py server, which has imported torch and flame once (seconds a job)."""
     if nproc == 1:
         cmd = [sys.executable, "-m", "flame.train", "--config", str(config), *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "flame.train", "--config", str(config), *overrides]
+        if torch.cuda.is_available():  # a fork after CUDA's driver was touched cannot use it
+            return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        return forked_train(cmd, timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "flame.train", "--config", str(config), *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+_TRAIN_SERVER: list[subprocess.Popen] = []
+
+
+def train_server() -> subprocess.Popen:
+    """This process's tests/train_forks.py (started at first use, again if it has ended)."""
+    if not _TRAIN_SERVER or _TRAIN_SERVER[0].poll() is not None:
+        _TRAIN_SERVER[:] = [subprocess.Popen([sys.executable, "-m", "tests.train_forks"], cwd=REPO, env=env(),
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)]
+    return _TRAIN_SERVER[0]
+
+
+def read_line(stream, timeout: float) -> str | None:
+    """One line of an unbuffered binary pipe, or None after `timeout` seconds."""
+    line, deadline = b"", time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([stream], [], [], left)[0]:
+            return None
+        byte = os.read(stream.fileno(), 1)
+        if not byte:
+            raise RuntimeError("tests/train_forks.py ended")
+        line += byte
+    return line.decode()
+
+
+def forked_train(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """cmd (`python -m flame.train ARGS`) as a job of train_server(): its exit code, stdout and stderr."""
+    server = train_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        job = {"args": cmd[3:], "stdout": str(out), "stderr": str(err), "env": env()}
+        server.stdin.write((json.dumps(job) + "\n").encode())
+        pid = int(read_line(server.stdout, 60))
+        line = read_line(server.stdout, timeout)
+        if line is None:
+            os.killpg(pid, signal.SIGKILL)
+            read_line(server.stdout, 60)
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(cmd, int(line.split()[1]), out.read_text(), err.read_text())
 
 
 def launch_sh(config, *args: str, nproc: int, wait: bool = True, timeout: int = 300, **extra_env: str):
