@@ -14,44 +14,39 @@ flame.models.layers.LanguageModel, the models' base class, holds the shared part
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+from flame.models.args import GSAArgs, RWKV6Args, RWKV7Args, TransformerArgs
 
-MODELS: dict[str, tuple[type[nn.Module], type]] = {}
-# Imported on first use, so reading a config never imports every model (and its Triton kernels).
-_MODULES = {
-    "transformer": "flame.models.transformer",
-    "rwkv7": "flame.models.rwkv7",
-    "rwkv6": "flame.models.rwkv6",
-    "gsa": "flame.models.gsa",
-}
+if TYPE_CHECKING:
+    from torch import nn
+
+ARGS: dict[str, type] = {"transformer": TransformerArgs, "rwkv7": RWKV7Args, "rwkv6": RWKV6Args, "gsa": GSAArgs}
+"""model.name -> its Args dataclass: reading a config needs no model module (no torch, no Triton kernels)."""
+_MODULES = {name: f"flame.models.{name}" for name in ARGS}
+"""Imported on first use, by build_model: only the model a run builds (and its kernels) is imported."""
+MODELS: dict[str, type[nn.Module]] = {}
 
 
-def register(name: str, args_cls: type):
+def register(name: str):
     def wrap(model_cls):
-        MODELS[name] = (model_cls, args_cls)
+        MODELS[name] = model_cls
         return model_cls
 
     return wrap
 
 
-def _lookup(name: str):
-    if name not in MODELS and name in _MODULES:
-        importlib.import_module(_MODULES[name])
-    return MODELS.get(name)
-
-
 def known_models() -> list[str]:
-    return sorted(set(MODELS) | set(_MODULES))
+    return sorted(ARGS)
 
 
 def model_args_class(name: str) -> type | None:
-    entry = _lookup(name)
-    return entry[1] if entry else None
+    return ARGS.get(name)
 
 
 def build_model(args) -> nn.Module:
-    entry = _lookup(args.name)
-    if entry is None:
+    if args.name not in ARGS:
         raise KeyError(f"unknown model {args.name!r}; known: {known_models()}")
-    return entry[0](args)
+    if args.name not in MODELS:
+        importlib.import_module(_MODULES[args.name])
+    return MODELS[args.name](args)

@@ -12,77 +12,20 @@ residual rescaling. Parameter names are FLA's inside each block, so converting a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flame.config import ModelArgs, check
 from flame.context_parallel import Piece, chunk_gsa_cp, last_tokens_of_piece, make_piece, previous_tokens
 from flame.models import register
+from flame.models.args import GSAArgs
 from flame.models.layers import (LanguageModel, RMSNorm, ShortConv, SwiGLU, as_one_packed_row, packed_prompts,
                                  positions_from_cu_seqlens)
 from kernels.gsa import chunk_gsa, chunk_gsa_from_projection, feature_maps
-from kernels.gsa.chunk import MAX_SLOTS
 from kernels.gsa.step import recurrent_step
 from kernels.silu_rms_norm import silu_rms_norm
-
-
-@dataclass
-class GSAArgs(ModelArgs):
-    name: str = "gsa"
-    hidden_size: int = 1024
-    """Model width; also the total key and value width (head dims = hidden_size / num_heads)."""
-    num_layers: int = 24
-    """Number of blocks (FLA's num_hidden_layers)."""
-    num_heads: int = 4
-    """GSA heads; each holds M slots of a (hidden_size / num_heads)-dim key and value."""
-    num_slots: int = 64
-    """M, memory slots per head."""
-    gate_logit_normalizer: float = 8.0
-    """Forget gate = logsigmoid(W_f x) / this: larger keeps the slots longer (the paper's damping tau)."""
-    use_short_conv: bool = False
-    """Causal depthwise convolutions (then silu) on q, k, v before their feature maps."""
-    conv_size: int = 4
-    """Kernel length of the short convolutions."""
-    hidden_ratio: int = 4
-    """SwiGLU width if intermediate_size is unset: int(hidden * hidden_ratio * 2/3) up to a multiple of 256."""
-    intermediate_size: int | None = None
-    """SwiGLU width; None = from hidden_ratio."""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon of the blocks and the final norm."""
-    g_norm_eps: float = 1e-5
-    """Epsilon of the attention output RMSNorm: FLA's fused norm + o_proj runs at its default 1e-5, not norm_eps."""
-    initializer_range: float = 0.02
-    """Std of the normal init of every matrix, convolution and the embedding (no residual rescaling)."""
-    output_gate: bool = False
-    """Not in FLA: per-head RMSNorm(o) * silu(g_proj(x)) (one more hidden^2 matrix) in place of RMSNorm(silu(o))."""
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the output projection + cross entropy."""
-
-    def validate(self) -> None:
-        super().validate()
-        for key in ("hidden_size", "num_layers", "num_heads", "num_slots", "conv_size", "hidden_ratio"):
-            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
-        check(self.hidden_size % self.num_heads == 0, "model.num_heads", "a divisor of model.hidden_size",
-              self.num_heads)
-        check(self.num_slots <= MAX_SLOTS, "model.num_slots", f"at most {MAX_SLOTS} (the largest the Triton kernel "
-              "builds)", self.num_slots)
-        check(self.gate_logit_normalizer > 0, "model.gate_logit_normalizer", "a number > 0",
-              self.gate_logit_normalizer)
-        check(self.intermediate_size is None or self.intermediate_size >= 1, "model.intermediate_size",
-              "an integer >= 1 or unset", self.intermediate_size)
-        check(self.norm_eps > 0, "model.norm_eps", "a number > 0", self.norm_eps)
-        check(self.g_norm_eps > 0, "model.g_norm_eps", "a number > 0", self.g_norm_eps)
-        check(self.initializer_range > 0, "model.initializer_range", "a number > 0", self.initializer_range)
-
-    @property
-    def ffn_size(self) -> int:
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        return 256 * math.ceil(int(self.hidden_size * self.hidden_ratio * 2 / 3) / 256)
 
 
 @dataclass
@@ -254,7 +197,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-@register("gsa", GSAArgs)
+@register("gsa")
 class GSA(LanguageModel):
     def __init__(self, args: GSAArgs):
         super().__init__()

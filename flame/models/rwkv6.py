@@ -10,61 +10,22 @@ generate_init_weight leave the weights; optimizer groups and L2Wrap as RWKV-LM t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flame.config import ModelArgs, check
 from flame.context_parallel import Piece, chunk_rwkv6_cp
 from flame.models import register
+from flame.models.args import RWKV6Args
 from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, cached_token_shift, norm_shift_mix_cached,
                                       norm_shift_mix_cp, token_shift, token_shift_cp)
 from kernels.rwkv6 import chunk_rwkv6
-from kernels.rwkv6.chunk import MAX_K
 from kernels.rwkv6.step import recurrent_step
 
 LN_X_EPS = 64e-5
 """RWKV-LM's ln_x eps for x060: 1e-5 * head_size_divisor ** 2, with its default divisor 8."""
 MIXES = ("w", "k", "v", "r", "g")
 """The five token-shift mixes of the time mix, in RWKV-LM's order (the rows of maa, the blocks of maa_w1 / maa_w2)."""
-
-
-@dataclass
-class RWKV6Args(ModelArgs):
-    name: str = "rwkv6"
-    hidden_size: int = 1024
-    num_layers: int = 24
-    head_dim: int = 64
-    mix_low_rank: int = 32
-    """Width of each of the five token-shift mix paths (RWKV-LM's D_MIX_LORA)."""
-    decay_low_rank: int = 64
-    """Width of the decay path (RWKV-LM's D_DECAY_LORA)."""
-    ffn_size: int | None = None
-    """Channel-mixing width; None = RWKV-LM's int(3.5 * hidden_size) // 32 * 32."""
-    norm_eps: float = 1e-5
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the output projection + cross entropy."""
-    l2wrap: bool = True
-    """RWKV-LM trains RWKV-6 with L2Wrap (see ModelArgs.l2wrap)."""
-
-    def validate(self) -> None:
-        super().validate()
-        for key in ("hidden_size", "num_layers", "head_dim", "mix_low_rank", "decay_low_rank"):
-            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
-        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
-              self.head_dim)
-        check(self.head_dim <= MAX_K, "model.head_dim", f"at most {MAX_K} (the largest the Triton kernel builds)",
-              self.head_dim)
-        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
-              self.num_layers)
-        if self.ffn_size is not None:
-            check(self.ffn_size >= 1, "model.ffn_size", "an integer >= 1 (or unset)", self.ffn_size)
-
-    @property
-    def ffn_width(self) -> int:
-        return self.ffn_size or int(self.hidden_size * 3.5) // 32 * 32
 
 
 class TimeMix(nn.Module):
@@ -208,7 +169,7 @@ class Block(nn.Module):
         return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache, piece)
 
 
-@register("rwkv6", RWKV6Args)
+@register("rwkv6")
 class RWKV6(RWKVModel):
     decay_bias = ".attn.decay"   # RWKV-LM's time_decay: 2x lr
 

@@ -9,66 +9,19 @@ RWKV-LM trains it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from flame.config import ModelArgs, check
 from flame.context_parallel import Piece, chunk_rwkv7_cp
 from flame.models import register
+from flame.models.args import RWKV7Args
 from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, norm_shift_mix_cached, norm_shift_mix_cp,
                                       ortho_init)
 from kernels.rwkv7 import chunk_rwkv7
-from kernels.rwkv7.chunk import MAX_K
 from kernels.rwkv7.decay import log_decay
 from kernels.rwkv7.step import recurrent_step
 from kernels.rwkv7_key import rwkv7_key
 from kernels.rwkv7_out import rwkv7_out
-
-
-def _lora_dim(hidden: int, factor: float) -> int:
-    """RWKV-LM's default low-rank width: factor * sqrt(hidden), rounded to a multiple of 32, at least 32."""
-    return max(32, int(round(factor * math.sqrt(hidden) / 32)) * 32)
-
-
-@dataclass
-class RWKV7Args(ModelArgs):
-    name: str = "rwkv7"
-    hidden_size: int = 1024
-    num_layers: int = 24
-    head_dim: int = 64
-    decay_low_rank: int | None = None
-    """Low-rank width of the decay path; None = RWKV-LM's max(32, round(2.5 sqrt(hidden) / 32) * 32)."""
-    a_low_rank: int | None = None
-    """In-context learning rate path; None = 2.5 sqrt(hidden), as above."""
-    v_low_rank: int | None = None
-    """Value-residual path; None = 1.7 sqrt(hidden), as above."""
-    gate_low_rank: int | None = None
-    """Output gate path; None = 5 sqrt(hidden), as above."""
-    ffn_mult: int = 4
-    """Channel-mixing width = ffn_mult * hidden_size."""
-    norm_eps: float = 1e-5
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the output projection + cross entropy."""
-    l2wrap: bool = True
-    """RWKV-LM trains RWKV-7 with L2Wrap (see ModelArgs.l2wrap)."""
-
-    def validate(self) -> None:
-        super().validate()
-        for key in ("hidden_size", "num_layers", "head_dim", "ffn_mult"):
-            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
-        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
-              self.head_dim)
-        check(self.head_dim <= MAX_K, "model.head_dim", f"at most {MAX_K} (the largest the Triton kernel builds)",
-              self.head_dim)
-        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
-              self.num_layers)
-
-    def lora(self, which: str) -> int:
-        given = getattr(self, f"{which}_low_rank")
-        return given or _lora_dim(self.hidden_size, {"decay": 2.5, "a": 2.5, "v": 1.7, "gate": 5.0}[which])
 
 
 class TimeMix(nn.Module):
@@ -245,7 +198,7 @@ class Block(nn.Module):
         return x + self.ffn(x, self.ffn_norm, keep, cu_seqlens, cache, piece), v if self.attn.supplies_v_first else None
 
 
-@register("rwkv7", RWKV7Args)
+@register("rwkv7")
 class RWKV7(RWKVModel):
     decay_bias = ".attn.w0"   # RWKV-LM's w0: 2x lr
 

@@ -9,47 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flame.config import ModelArgs, check
 from flame.models import register
+from flame.models.args import TransformerArgs
 from flame.models.layers import (LanguageModel, RMSNorm, SwiGLU, apply_rotary, positions_from_cu_seqlens,
                                  rotary_cos_sin)
-
-
-@dataclass
-class TransformerArgs(ModelArgs):
-    name: str = "transformer"
-    hidden_size: int = 1024
-    num_layers: int = 24
-    num_heads: int = 16
-    num_kv_heads: int | None = None
-    """Grouped-query attention; None = num_heads (plain multi-head)."""
-    intermediate_size: int | None = None
-    """SwiGLU width; None = 8/3 * hidden rounded up to a multiple of 256."""
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the output projection + cross entropy."""
-
-    def validate(self) -> None:
-        super().validate()
-        for key in ("hidden_size", "num_layers", "num_heads"):
-            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
-        check(self.hidden_size % self.num_heads == 0, "model.num_heads", "a divisor of model.hidden_size",
-              self.num_heads)
-        check((self.hidden_size // self.num_heads) % 2 == 0, "model.num_heads", "an even head dim for RoPE",
-              self.num_heads)
-        kv = self.kv_heads
-        check(kv >= 1 and self.num_heads % kv == 0, "model.num_kv_heads", "a divisor of model.num_heads", kv)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.intermediate_size or 256 * math.ceil(8 * self.hidden_size / 3 / 256)
 
 
 class Attention(nn.Module):
@@ -137,7 +100,7 @@ class CacheSlots:
         return (self.keys, self.values) if self.attend_cache else (k, v)
 
 
-@register("transformer", TransformerArgs)
+@register("transformer")
 class Transformer(LanguageModel):
     def __init__(self, args: TransformerArgs):
         super().__init__()

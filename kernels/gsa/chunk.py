@@ -23,6 +23,7 @@ import torch
 
 from kernels.gsa.torch_chunk import chunk_gsa_torch
 from kernels.launch import launch, register_fake
+from kernels.limits import GSA_MAX_SLOTS
 from kernels.settings import from_text, to_text
 from kernels.utils import (check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
                            packed_rows, scan_tile)
@@ -381,8 +382,8 @@ register_fake(chunk_gsa_op, _fake_forward, _forward_op)
 register_fake(chunk_gsa_bwd_op, _fake_backward, _backward_op)
 
 
-MAX_SLOTS = 256
-"""Most slots of the Triton kernel: one tile holds all M of a row (the softmax needs them); K and V are tiled."""
+MAX_SLOTS = GSA_MAX_SLOTS
+"""Most slots of the Triton kernel (kernels/limits.py says why)."""
 
 
 def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None,

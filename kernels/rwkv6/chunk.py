@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.launch import launch, register_fake
+from kernels.limits import RWKV6_MAX_K
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
 from kernels.settings import from_text, to_text
 from kernels.utils import check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
@@ -240,8 +241,8 @@ register_fake(chunk_rwkv6_op, _fake_forward, _forward_op)
 register_fake(chunk_rwkv6_bwd_op, _fake_backward, _backward_op)
 
 
-MAX_K = 256
-"""Largest key head size of the Triton kernel: its per-chunk kernels hold whole [chunk, K] tiles (V is tiled)."""
+MAX_K = RWKV6_MAX_K
+"""Largest key head size of the Triton kernel (kernels/limits.py says why)."""
 
 
 def _chunk_rwkv6_triton(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, settings: str):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.launch import launch, register_fake
+from kernels.limits import RWKV7_MAX_K
 from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import from_text, to_text
@@ -319,9 +320,8 @@ register_fake(chunk_rwkv7_op, _fake_forward, _forward_op)
 register_fake(chunk_rwkv7_bwd_op, _fake_backward, _backward_op)
 
 
-MAX_K = 128
-"""Largest key head size of the Triton kernel (V is tiled): at K = 256 the blocked scans' block maps need more shared
-memory than an H100 block has (811 KB for _block_scan, sm_90 compile)."""
+MAX_K = RWKV7_MAX_K
+"""Largest key head size of the Triton kernel (kernels/limits.py says why)."""
 
 
 def _chunk_rwkv7_triton(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, w_bias,
