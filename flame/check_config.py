@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from flame.config import ConfigError, load_config, to_toml
+from flame.config import ConfigError, load_config, parse_config_args, resolve_dp_degrees, to_toml
 
 USAGE = """usage: python -m flame.check_config --config FILE [--section.key=value ...] [--get section.key]
                                    [--strict | --no-data-check] [--world-size N]
@@ -29,8 +29,8 @@ Exit code 0: valid (data problems, if any, printed as warnings); 2: a config err
 
 def data_problems(cfg) -> list[ConfigError]:
     """Every source, eval source and the tokenizer checked on their own, so that all problems are named at once."""
-    from flame.data.loader import load_tokenizer
     from flame.data.sources import plan_source
+    from flame.data.tokenizer import load_tokenizer
 
     problems = []
     for which in ("sources", "eval_sources"):
@@ -70,13 +70,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     strict, skip_data = take_flag(argv, "--strict"), take_flag(argv, "--no-data-check")
     get, world = take_value(argv, "--get"), take_value(argv, "--world-size")
-    from flame.parallel import resolve_dp_degrees
-    from flame.train import parse_args
-
     try:
         if strict and skip_data:
             raise ConfigError("--strict", "either --strict or --no-data-check, not both")
-        path, overrides = parse_args(argv)
+        path, overrides = parse_config_args(argv)
         cfg = load_config(path, overrides)
         if world is not None:
             if not world.isdigit() or int(world) < 1:

@@ -157,6 +157,19 @@ class ParallelismConfig:
               self.collective_timeout_sec)
 
 
+def resolve_dp_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, cp) for this world size, or ConfigError; called before the process group exists."""
+    replicate, cp = cfg.dp_replicate, cfg.context_parallel_degree
+    shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // (replicate * cp)
+    if replicate * shard * cp != world_size:
+        if cp == 1:
+            raise ConfigError("parallelism", f"dp_replicate * dp_shard = number of processes ({world_size})",
+                              f"{replicate} * {shard}")
+        raise ConfigError("parallelism", f"dp_replicate * dp_shard * context_parallel_degree = number of processes "
+                          f"({world_size})", f"{replicate} * {'-1 (the rest)' if cfg.dp_shard == -1 else shard} * {cp}")
+    return replicate, shard, cp
+
+
 @dataclass
 class CheckpointConfig:
     enable: bool = True
@@ -381,6 +394,19 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(key, "section.key")
         out.append((key, _parse_override_value(text)))
     return out
+
+
+def parse_config_args(argv: list[str]) -> tuple[str, list[str]]:
+    """A command line `--config FILE [overrides]` (or --config=FILE, anywhere in it) -> (FILE, the overrides)."""
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config", "a TOML file after --config")
+        return argv[i + 1], argv[:i] + argv[i + 2:]
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    raise ConfigError("--config", "--config FILE")
 
 
 def _apply_override(raw: dict, key: str, value: Any) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from flame.config import ConfigError, ParallelismConfig
+from flame.config import ParallelismConfig, resolve_dp_degrees
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -61,19 +61,6 @@ class Dist:
 
         cp = self.cp_mesh["cp"]
         return ContextParallel(group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size())
-
-
-def resolve_dp_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, cp) for this world size, or ConfigError; called before the process group exists."""
-    replicate, cp = cfg.dp_replicate, cfg.context_parallel_degree
-    shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // (replicate * cp)
-    if replicate * shard * cp != world_size:
-        if cp == 1:
-            raise ConfigError("parallelism", f"dp_replicate * dp_shard = number of processes ({world_size})",
-                              f"{replicate} * {shard}")
-        raise ConfigError("parallelism", f"dp_replicate * dp_shard * context_parallel_degree = number of processes "
-                          f"({world_size})", f"{replicate} * {'-1 (the rest)' if cfg.dp_shard == -1 else shard} * {cp}")
-    return replicate, shard, cp
 
 
 def _free_port() -> int:

@@ -32,7 +32,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from flame import stop_signals
 from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config,
                               complete_steps, flat_config, nonfinite_tensors, rng_state, set_rng_state, some_of)
-from flame.config import Config, ConfigError, RunError, load_config, to_toml
+from flame.config import Config, ConfigError, RunError, load_config, parse_config_args, resolve_dp_degrees, to_toml
 from flame.context_parallel import enable as enable_context_parallel
 from flame.context_parallel import split_batch
 from flame.data import NoDocumentError, build_train_loader, check_sources
@@ -43,7 +43,7 @@ from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
 from flame.optim import build_lr_scheduler, build_optimizer, restore_lr_schedule
-from flame.parallel import all_reduce_sum, init_distributed, parallelize, resolve_dp_degrees
+from flame.parallel import all_reduce_sum, init_distributed, parallelize
 from flame.profiling import StepProfiler
 from flame.run_lock import lock_run_folder
 from flame.startup import StartupReport
@@ -531,22 +531,10 @@ def exit_on_startup_error(e: Exception, config_path: str | None, in_run: bool = 
     os._exit(2)  # the process group may be half set up: skip its teardown
 
 
-def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise ConfigError("--config", "a TOML file after --config")
-        return argv[i + 1], argv[:i] + argv[i + 2:]
-    for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            return a.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    raise ConfigError("--config", "--config FILE")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides = parse_args(argv)
+        path, overrides = parse_config_args(argv)
         cfg = load_config(path, overrides)
         resolve_dp_degrees(cfg.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         if not cfg.data.synthetic:

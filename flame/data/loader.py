@@ -15,8 +15,7 @@ from flame.data.config import DataConfig
 from flame.data.counters import merge_counters
 from flame.data.pipeline import PipelineSettings, ReaderPipeline, TextDataset
 from flame.data.sources import SourcePlan, plan_sources
-from flame.data.tokenizer import BoundaryTokenError, TextTokenizer, WorldTokenizer, open_tokenizer
-from flame.errors import ConfigError
+from flame.data.tokenizer import TextTokenizer, WorldTokenizer, load_tokenizer
 from flame.lifeline import alive, die_with_parent
 from flame.stop_signals import STOP_SIGNALS
 
@@ -38,16 +37,6 @@ def _init_worker(worker_id: int, rank_pid: int) -> None:
     die_with_parent(os.getppid())  # the rank when forked; a fork server (a child of the rank) ends with the rank
     if not alive(rank_pid):
         os._exit(1)
-
-
-def load_tokenizer(cfg: DataConfig) -> TextTokenizer | WorldTokenizer:
-    try:
-        return open_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
-    except BoundaryTokenError as e:
-        raise ConfigError(f"data.{e.setting}", e.expected, e.got) from None
-    except Exception as e:  # a missing file, a bad json or World vocabulary, an unknown hub id
-        raise ConfigError("data.tokenizer", "a tokenizer.json (file or folder), a reachable hub id, "
-                          "\"rwkv-world\" or a World vocabulary .txt", f"{cfg.tokenizer} ({e})") from None
 
 
 def _settings(cfg: DataConfig, plans, *, seq_len: int, batch_size: int, seed: int) -> PipelineSettings:

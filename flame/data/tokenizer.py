@@ -13,10 +13,15 @@ from __future__ import annotations
 import ast
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
 from flame.data.paths import resolve_path
+from flame.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flame.data.config import DataConfig
 
 WORLD_SPEC = "rwkv-world"
 WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
@@ -41,6 +46,17 @@ def open_tokenizer(spec: str, *, eos_token: str | None = WORLD_SEPARATOR,
     if kind == "world":
         return WorldTokenizer(where, eos_token=eos_token, bos_token=bos_token)
     return TextTokenizer(spec, eos_token=eos_token, bos_token=bos_token)
+
+
+def load_tokenizer(cfg: DataConfig) -> TextTokenizer | WorldTokenizer:
+    """data.tokenizer opened with data's boundary tokens; any problem is a ConfigError naming the key."""
+    try:
+        return open_tokenizer(cfg.tokenizer, eos_token=cfg.eos_token, bos_token=cfg.bos_token)
+    except BoundaryTokenError as e:
+        raise ConfigError(f"data.{e.setting}", e.expected, e.got) from None
+    except Exception as e:  # a missing file, a bad json or World vocabulary, an unknown hub id
+        raise ConfigError("data.tokenizer", "a tokenizer.json (file or folder), a reachable hub id, "
+                          "\"rwkv-world\" or a World vocabulary .txt", f"{cfg.tokenizer} ({e})") from None
 
 
 def tokenizer_files(spec: str) -> dict[str, Path]:
