@@ -6,13 +6,13 @@ sequence and with packed documents that cross piece boundaries and start exactly
 from __future__ import annotations
 
 import functools
+import importlib
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from flame.context_parallel import ContextParallel, enable, split_batch
-from flame.models import model_args_class
 from tests.cp_helpers import COMPILED, WORLD, case_names, case_run, free_port, global_batch, worker
 from tests.tiny_models import tiny_model
 
@@ -28,7 +28,7 @@ def cp_results(tmp_path_factory):
     models and kernels: most of a spawned rank's time on the 2-core machine)."""
     out = tmp_path_factory.mktemp("cp")
     for name in ("rwkv7", "rwkv6", "gsa"):
-        model_args_class(name)   # imports the model before the fork
+        importlib.import_module(f"flame.models.{name}")   # the model and its kernels, before the fork
     mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
     return out
 
