@@ -225,10 +225,18 @@ def row_log_decay_sum(piece: Piece, w: torch.Tensor) -> torch.Tensor:
     return total * piece.carries[:, None, None]
 
 
+def product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The operand type of the exchange's long products (over every token of a piece): bf16/fp16 inputs multiply in
+    their own type with fp32 accumulation on the tensor cores, as the chunk kernels' products do; fp32 stays fp32 (the
+    CPU reference). An fp32 product there runs on the GPU's CUDA cores at a fraction of that speed."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def add_incoming(piece: Piece, o: torch.Tensor, reach: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """o [B or 1, B*T, H, V] plus what the incoming state [B, H, K, V] adds to it: reach_t^T E on the tokens it
     reaches, reach [.., H, K] being what the identity state gives at t (the output is linear in the state)."""
-    extra = torch.einsum("bthk,bhkv->bthv", piece.rows(reach).float(), state) * first_segment_mask(piece)
+    dt = product_dtype(o)
+    extra = torch.einsum("bthk,bhkv->bthv", piece.rows(reach).to(dt), state.to(dt)) * first_segment_mask(piece)
     return o + extra.to(o.dtype).reshape(o.shape)
 
 
@@ -274,10 +282,12 @@ def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens):
     (s_t e^{...}) v_t^T over each row's last segment, and both cross a piece by the same diagonal decay."""
     from kernels.gsa import chunk_gsa
 
+    dt = product_dtype(k)
     g_rows = piece.rows(g.float())
     writes = piece.rows(s.float()) * exclusive_cumsum(g_rows, reverse=True).exp() * last_segment_mask(piece)
-    hk = torch.einsum("bthk,bthm->bhkm", piece.rows(k.float()), writes)
-    hv = torch.einsum("bthm,bthv->bhmv", writes, piece.rows(v.float()))
+    writes = writes.to(dt)
+    hk = torch.einsum("bthk,bthm->bhkm", piece.rows(k.to(dt)), writes).float()
+    hv = torch.einsum("bthm,bthv->bhmv", writes, piece.rows(v.to(dt))).float()
     hk_in, hv_in = incoming_state(piece, [hk, hv], [row_log_decay_sum(piece, g)],
                                   lambda d, e: [e[0] * d[0][:, :, None, :], d[0][..., None] * e[1]])
     h0 = (first_segment_states(piece, hk_in), first_segment_states(piece, hv_in))
