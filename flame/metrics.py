@@ -86,6 +86,7 @@ class MetricsLogger:
         self.window_tokens = 0
         self.train_start = time.perf_counter()
         self.steps_timed = 0
+        self.alloc_retries_warned = False
         self.elapsed_before = elapsed_sec_logged(run_dir / "metrics.jsonl") if rank == 0 else 0.0
 
     def count(self, global_tokens: int) -> None:
@@ -104,6 +105,9 @@ class MetricsLogger:
                   "mfu": mfu, "memory_gib": peak_memory_gib(self.device),
                   "eta_sec": step_time * (self.cfg.training.steps - step), **self.clock_fields()}
         self.window_start, self.window_tokens = now, 0
+        if self.device.type == "cuda":
+            record["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            self.warn_alloc_retries(step, record)
         if self.rank == 0:
             self.file.write(json.dumps(record, default=_jsonable) + "\n")
             self.file.flush()
@@ -112,6 +116,17 @@ class MetricsLogger:
                 self.wandb.log({k: v for k, v in record.items() if k not in ("step", "time") and v is not None},
                                step=step)
         return record
+
+    def warn_alloc_retries(self, step: int, record: dict) -> None:
+        """Once per run: the caching allocator ran out of cached blocks, freed its cache and tried again. Each retry
+        waits for the whole GPU, so a run that keeps retrying is slower than its memory suggests."""
+        if record["alloc_retries"] and not self.alloc_retries_warned and self.rank == 0:
+            self.alloc_retries_warned = True
+            total = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+            print(f"warning: by step {step} the CUDA allocator freed its cache and retried {record['alloc_retries']} "
+                  f"allocation(s) (peak {record['memory_gib']:.1f} of {total:.0f} GiB; each retry waits for the GPU): "
+                  f"lower training.batch_size or seq_len, or checkpoint more activations "
+                  f"(metrics.jsonl's alloc_retries counts them)", flush=True)
 
     def log_eval(self, step: int, loss: float) -> None:
         ppl = math.exp(min(loss, 50.0))

@@ -22,6 +22,8 @@ Environment (all optional):
   RDZV_ID      rendezvous id shared by all nodes (default: SLURM_JOB_ID, or "flame")
   MAX_RESTARTS times torchrun starts every rank again after one fails (a rank killed, a node's process lost):
                the run resumes from its last complete checkpoint unattended (default 0: a failed rank ends the job)
+  PYTORCH_ALLOC_CONF  the CUDA allocator's settings (default expandable_segments:True unless it or
+               PYTORCH_CUDA_ALLOC_CONF is set)
 Stopping: Ctrl-C (SIGINT), SIGTERM or SIGUSR1 sent to this script make every rank finish its step, save a
 checkpoint and exit 0; a second Ctrl-C stops at once without saving (exit 130). The ranks and their data workers
 never outlive this script, however it ends (SIGKILL included). One run per run folder: a second launch on a folder
@@ -82,6 +84,12 @@ fi
 # NVLink SHARP multicast stays off (see README): it has hung collectives on shared machines.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+# Expandable segments (as torchtitan launches): a step's varying tensor sizes then grow one mapped segment instead of
+# leaving cached blocks too small to reuse, which near a full GPU makes the allocator free its cache and retry (a
+# device-wide wait). An allocator setting of the user's own (either name) is left as it is.
+if [[ -z ${PYTORCH_ALLOC_CONF:-} && -z ${PYTORCH_CUDA_ALLOC_CONF:-} ]]; then
+  export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
 if [[ -z $module ]]; then
   echo "launch: $config on $NNODES node(s) x $NPROC process(es); logs in $logs"
 else
