@@ -146,7 +146,7 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(interp):
 
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
-    xs, h0 = gsa_inputs(1, sum(lens), 2, 32, 64, 32, n_seq=len(lens), seed=12)
+    xs, h0 = gsa_inputs(1, sum(lens), 1, 32, 64, 32, n_seq=len(lens), seed=12)
     with np.errstate(all="raise"):
         got = run(interp, xs, h0, 1.0, cu)
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, "varlen")
@@ -246,7 +246,7 @@ def test_triton_interpreter_bf16_products_stress(interp):
     # bf16 inputs take bf16 products where the kernel allows them; the interpreter rounds their operands as the GPU
     # does (tl_utils.round_bf16) and multiplies exactly, so their error shows on CPU: within the bf16 bar under the
     # stress gates (and visibly apart from the same kernel's fp32-operand products, so they did run)
-    xs, h0 = gsa_inputs(1, 200, 2, 64, 64, 64, dtype=torch.bfloat16, decay="stress", seed=17)
+    xs, h0 = gsa_inputs(1, 200, 1, 64, 64, 64, dtype=torch.bfloat16, decay="stress", seed=17)
     ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0)
     got = run(interp, xs, h0, 1.0)
     assert_close(got, ref, GPU_TOL, "bf16 products, stress")
@@ -281,7 +281,7 @@ def test_triton_interpreter_fp16_states(v_scale, interp):
     # states: the stored-state forward here, the backward's rescan and reverse scan). Values of any range keep
     # their 11 significant bits: v at 1e-30 (fp16 would flush the value states to 0) and 1e30 (fp16 would overflow)
     # meet the bf16 bar as at 1, and against the same kernel with fp32 states the errors are the same size.
-    xs, h0 = gsa_inputs(1, 100, 2, 32, 32, 32, dtype=torch.bfloat16, decay="wide", seed=18)
+    xs, h0 = gsa_inputs(1, 100, 1, 32, 32, 32, dtype=torch.bfloat16, decay="wide", seed=18)
     xs[2], h0 = (xs[2] * v_scale).to(torch.bfloat16), (h0[0], h0[1] * v_scale)
     ref = run(naive_gsa, [x.double() for x in xs], tuple(h.double() for h in h0), 1.0)
     settings = dict(scan_bd=32, stateless_forward=False)

@@ -89,12 +89,14 @@ def test_triton_interpreter_sequence_and_blocked_scans(scan, K, V, decay, T, len
     # The same results whether the scans walk every chunk of a sequence in order or run blocked (per-block maps,
     # one product per block in order, then the per-block fill): T not a multiple of a block, a short last block,
     # packed sequences shorter than a chunk or a block (spare block programs), K != V both ways (two M tiles).
+    # One head (the interpreter's time goes with the programs), two in the stress case: every scan crosses heads.
     settings = Settings(blocked_scan=scan != "sequence")
     if scan.startswith("blocked of"):
         settings = Settings(blocked_scan=True, block_chunks=int(scan.split()[-1]))
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
     T = T or sum(lens)
-    xs, h0 = rwkv7_inputs(1, T, 2, K, V, decay=decay, n_seq=1 if lens is None else len(lens), seed=K + T)
+    H = 2 if decay == "stress" else 1
+    xs, h0 = rwkv7_inputs(1, T, H, K, V, decay=decay, n_seq=1 if lens is None else len(lens), seed=K + T)
     got = run(interp, xs, h0, 0.7, cu, settings=settings)
     assert_close(got, naive(xs, h0, 0.7, cu), CPU_TOL, f"{scan} K={K} V={V} lens={lens}")
 
@@ -158,7 +160,7 @@ def test_triton_interpreter_varlen_computes_no_invalid_value(blocked, interp):
 
     lens = [1, 17, 30, 64, 9]
     cu = torch.tensor([0] + lens).cumsum(0)
-    xs, h0 = rwkv7_inputs(1, sum(lens), 2, 32, 64, n_seq=len(lens), seed=11)
+    xs, h0 = rwkv7_inputs(1, sum(lens), 1, 32, 64, n_seq=len(lens), seed=11)
     with np.errstate(all="raise"):
         got = run(interp, xs, h0, 1.0, cu, settings=Settings(blocked_scan=blocked))
     assert_close(got, naive(xs, h0, 1.0, cu), CPU_TOL, f"varlen blocked={blocked}")
@@ -213,7 +215,7 @@ def test_triton_interpreter_decay_from_logits(T, lens, interp):
     # fp32: the log decay formed in _fwd_prep (padded rows stay at w = 0) and the logits' gradient through the sigmoid
     # in _bwd_chunk, against autograd through the fp64 recurrence; the bias's gradient is their sum over tokens.
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
-    xs, z, bias, h0 = rwkv7_logit_inputs(1, T or sum(lens), 2, 32, 64, n_seq=1 if lens is None else len(lens), seed=4)
+    xs, z, bias, h0 = rwkv7_logit_inputs(1, T or sum(lens), 1, 32, 64, n_seq=1 if lens is None else len(lens), seed=4)
     got = run_logits(interp, xs, z, bias, h0, 0.5, cu)
     common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, "interpreter", LOGIT_NAMES)
 
