@@ -22,6 +22,10 @@ else:  # pragma: no cover
 
 from flame.data.config import DataConfig
 from flame.errors import ConfigError, RunError, check  # noqa: F401  (also imported from here by the rest of flame)
+from kernels.limits import CHUNK_MULTIPLE
+
+CONTEXT_PARALLEL_MODELS = ("rwkv7", "rwkv6", "gsa")
+"""The models whose layers run as pieces of a sequence (flame/context_parallel.py)."""
 
 
 # ----------------------------------------------------------------------------------------------------------- sections
@@ -272,12 +276,10 @@ class Config:
             check(bool(self.data.eval_sources), "data.eval_sources", "at least one source when validation.enable")
         cp = self.parallelism.context_parallel_degree
         if cp > 1:
-            from flame.context_parallel import SUPPORTED, required_multiple
-
-            check(self.model.name in SUPPORTED, "parallelism.context_parallel_degree",
+            check(self.model.name in CONTEXT_PARALLEL_MODELS, "parallelism.context_parallel_degree",
                   f"1 with model.name = {self.model.name!r}: context parallelism needs a recurrent model "
-                  f"({', '.join(SUPPORTED)})", cp)
-            multiple = cp * required_multiple(self.model)
+                  f"({', '.join(CONTEXT_PARALLEL_MODELS)})", cp)
+            multiple = cp * CHUNK_MULTIPLE
             check(self.training.seq_len % multiple == 0, "training.seq_len",
                   f"a multiple of {multiple} (context_parallel_degree {cp} x {multiple // cp}: every rank's piece "
                   "holds whole chunks)", self.training.seq_len)

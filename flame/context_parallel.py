@@ -14,7 +14,8 @@ Packed documents: a piece's row starts a segment of the local cu_seqlens; the in
 its first segment, and only when that segment continues the previous rank's document (`cp_continues`); the
 transition is zero unless the whole row piece is one continuing segment.
 
-The API the trainer uses: ContextParallel, split_batch, enable, required_multiple.
+The API the trainer uses: ContextParallel, split_batch, enable (flame/config.py checks the sequence length against
+kernels/limits.py's CHUNK_MULTIPLE).
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-CHUNK_MULTIPLE = 64
-"""Pieces a multiple of this keep every kernel's chunks whole (RWKV-7, RWKV-6 and GSA chunk at 16 to 64 tokens)."""
+from flame.config import CONTEXT_PARALLEL_MODELS
 
-SUPPORTED = ("rwkv7", "rwkv6", "gsa")
 
 
 @dataclass(frozen=True)
@@ -36,11 +35,6 @@ class ContextParallel:
     group: dist.ProcessGroup   # the ranks sharing one sequence, in sequence order
     rank: int                  # this rank's piece: 0 = the first T/size tokens of every row
     size: int
-
-
-def required_multiple(model_args) -> int:
-    """T must be divisible by cp size x this."""
-    return CHUNK_MULTIPLE
 
 
 def split_batch(batch: dict, cp: ContextParallel) -> dict:
@@ -81,8 +75,8 @@ def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
     """Make `model` run as one piece of a cp group (None: off)."""
     name = getattr(getattr(model, "args", None), "name", type(model).__name__)
     if cp is not None:
-        if name not in SUPPORTED:
-            raise ValueError(f"context parallel supports {', '.join(SUPPORTED)}, not model {name!r}")
+        if name not in CONTEXT_PARALLEL_MODELS:
+            raise ValueError(f"context parallel supports {', '.join(CONTEXT_PARALLEL_MODELS)}, not model {name!r}")
         if dist.get_world_size(cp.group) != cp.size or dist.get_rank(cp.group) != cp.rank:
             raise ValueError(f"context parallel: rank {cp.rank} of {cp.size} does not match the process group's "
                              f"rank {dist.get_rank(cp.group)} of {dist.get_world_size(cp.group)}")
