@@ -21,22 +21,36 @@ ARGS = [*SMALL_VOCAB, "--training.seq_len=32", "--training.batch_size=2", "--val
         "--training.steps=100000"]
 
 
-def launch(dump, *overrides):
+def launch(dump, started, *overrides):
+    """scripts/launch.sh in a session of its own, added to `started` (the launches fixture's list)."""
     cmd = ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *ARGS,
            *overrides]
-    return subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC="1"), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return started[-1]
 
 
-def test_ctrl_c_saves_resumes_one_run_per_folder_sigkill_leaves_nothing(tmp_path, capsys):
+@pytest.fixture
+def launches():
+    """The launches a test starts; any still running when it ends (an assertion failed half-way) is killed with its
+    process group, so that a 100000-step run never outlives its test."""
+    started = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def test_ctrl_c_saves_resumes_one_run_per_folder_sigkill_leaves_nothing(tmp_path, capsys, launches):
     dump = tmp_path / "run"
-    first = launch(dump)
+    first = launch(dump, launches)
     wait_for_step(dump, first, 2)
 
     # a second launch on the folder in use stops at once: exit 2, one line naming the holder (rank 0 of the first)
     host, pid = (dump / LOCK_NAME).read_text().split()
     assert host == socket.gethostname() and int(pid) in run_processes(dump)
-    second = launch(dump)
+    second = launch(dump, launches)
     out, err = second.communicate(timeout=120)
     assert second.returncode == 2, err[-3000:]
     assert err.strip().splitlines() == [err.strip()] and f"host {host}, pid {pid}" in err and "in use" in err
@@ -56,7 +70,7 @@ def test_ctrl_c_saves_resumes_one_run_per_folder_sigkill_leaves_nothing(tmp_path
     assert (dump / LOCK_NAME).read_text() == ""  # released
 
     # launched again, it resumes from the checkpoint; then SIGKILL of its process group ends every process of it
-    resumed = launch(dump)
+    resumed = launch(dump, launches)
     wait_for_step(dump, resumed, saved + 1)
     assert len(run_processes(dump)) >= 5  # launcher, torchrun, rank, 2 data workers
     os.killpg(resumed.pid, signal.SIGKILL)
