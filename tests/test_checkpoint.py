@@ -14,6 +14,8 @@ import torch
 from flame.export import load_exported
 from tests.helpers import REPO, SMALL_VOCAB, env, launch_sh, read_checkpoint, read_metrics, run_train, write_config
 
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
+
 # the tiny default config on the bundled sample text (2 data workers per rank) at a 512-token vocabulary, made short
 TEXT = [*SMALL_VOCAB, "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
         "--lr_scheduler.warmup_steps=2"]

@@ -23,6 +23,8 @@ import pytest
 
 from tests.helpers import REPO, byte_bpe, launch_sh, read_metrics, run_processes, run_train, wait_for_step
 
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
+
 CONFIG = REPO / "configs/gsa_tiny.toml"
 STEPS = 20
 REL = 1e-5

@@ -31,6 +31,8 @@ class LocalTasksOnly(tasks.TaskManager):
 
 tasks.TaskManager = LocalTasksOnly
 from flame.lm_eval import main
+
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 main(sys.argv[1:])
 """
 HUB_TASK = """task: flame_hub_only

@@ -122,6 +122,8 @@ ENDING_HOLDER = """
 import os, sys, time
 from pathlib import Path
 from flame.run_lock import RunLock
+
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 lock = RunLock(Path(sys.argv[1]))
 assert lock.acquire()[0]
 lock.write_holder()

@@ -15,6 +15,8 @@ from flame.export import main as export
 from flame.export import read_export
 from tests.helpers import REPO, env, read_checkpoint, read_metrics, write_config
 
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
+
 HSDP = ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=1"]
 ARGS = ["--training.batch_size=2", "--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0",
         "--checkpoint.interval=2"]
