@@ -16,6 +16,7 @@ from flame.models import build_model, model_args_class
 from tests.helpers import REPO, env
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (flame's test extra installs it)")
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 
 TASK_DIR = REPO / "docs" / "lm_eval_task"
 ITEMS = [json.loads(line) for line in (TASK_DIR / "items.jsonl").read_text().splitlines()]
@@ -31,8 +32,6 @@ class LocalTasksOnly(tasks.TaskManager):
 
 tasks.TaskManager = LocalTasksOnly
 from flame.lm_eval import main
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 main(sys.argv[1:])
 """
 HUB_TASK = """task: flame_hub_only

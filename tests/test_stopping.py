@@ -14,6 +14,8 @@ from flame.config import RunError
 from flame.run_lock import LOCK_NAME, lock_run_folder
 from tests.helpers import REPO, SMALL_VOCAB, env, last_step, run_processes, run_train, wait_for_step, write_config
 
+pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
+
 # the tiny default config on the bundled sample text (512-token vocabulary): one rank with its 2 data workers, a step
 # every moment
 ARGS = [*SMALL_VOCAB, "--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
@@ -122,8 +124,6 @@ ENDING_HOLDER = """
 import os, sys, time
 from pathlib import Path
 from flame.run_lock import RunLock
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 lock = RunLock(Path(sys.argv[1]))
 assert lock.acquire()[0]
 lock.write_holder()
