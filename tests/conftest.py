@@ -16,10 +16,6 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The long tests (marked slow: training launches, real compiles) first, in their order, then the rest: with
-    # `--dist worksteal` (pyproject) the test processes take the short tests last and end together, instead of one
-    # of them running a minute-long launch alone at the end.
-    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -16,8 +16,6 @@ from flame.config import ConfigError, load_config
 from flame.models import build_model
 from tests.helpers import read_metrics, run_train, write_config
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 MODES = ("none", "selective", "full")
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 

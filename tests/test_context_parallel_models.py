@@ -16,8 +16,6 @@ from flame.context_parallel import ContextParallel, enable, split_batch
 from tests.cp_helpers import COMPILED, WORLD, case_names, case_run, free_port, global_batch, worker
 from tests.tiny_models import tiny_model
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-5
 """Of each tensor's largest reference gradient: the worst seen is 4e-6 (a GSA convolution weight whose gradients are

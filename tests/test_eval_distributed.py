@@ -12,8 +12,6 @@ from flame.eval import main
 from tests.eval_export import DOCS, SEQ_LEN, parse, tiny_eval_export
 from tests.helpers import REPO, env
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

@@ -8,11 +8,7 @@ import stat
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import REPO, env, write_config
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 
 UMASK = 0o027  # group may read, others nothing: a shared project folder's usual setting
 

@@ -21,8 +21,6 @@ import pytest
 from flame.checkpoint import complete_steps, unreadable_file
 from tests.helpers import REPO, env, last_step, launch_sh, read_metrics, run_train, wait_for_step, write_config
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0"]
 # checkpoints every 2 steps, all kept: a restart resumes from a step before the fault
 TWO_RANKS = [*CONSTANT_LR, "--training.steps=12", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0"]

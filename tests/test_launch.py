@@ -4,11 +4,7 @@ sample text, metrics, eval, checkpoints and per-rank logs in the run folder."""
 import math
 import subprocess
 
-import pytest
-
 from tests.helpers import REPO, SMALL_VOCAB, env, read_metrics
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "tokens_seen"}
 

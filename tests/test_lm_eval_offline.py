@@ -16,7 +16,6 @@ from flame.models import build_model, model_args_class
 from tests.helpers import REPO, env
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (flame's test extra installs it)")
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 
 TASK_DIR = REPO / "docs" / "lm_eval_task"
 ITEMS = [json.loads(line) for line in (TASK_DIR / "items.jsonl").read_text().splitlines()]

@@ -21,8 +21,6 @@ from flame.loss import IGNORE_INDEX
 from flame.models import build_model
 from tests.helpers import TINY, read_checkpoint, read_metrics, run_train, write_config
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 GLOBAL_BATCH = 16
 CP_TINY = re.sub(r"\[model\].*?\n\n", """[model]
 name = "gsa"

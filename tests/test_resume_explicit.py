@@ -7,8 +7,6 @@ from flame.checkpoint import check_resume_config
 from flame.config import RunError, load_config, to_toml
 from tests.helpers import TINY, read_metrics, run_train, write_config
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 
 def test_resume_lists_and_applies_changes_and_keeps_each_step_once(tmp_path):
     path, dump = write_config(tmp_path, "resumed")

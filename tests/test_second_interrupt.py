@@ -6,12 +6,8 @@ import signal
 import subprocess
 import time
 
-import pytest
-
 from flame.checkpoint import complete_steps
 from tests.helpers import REPO, env, read_metrics, run_processes, wait_for_step
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
 
 # transformer_tiny on the bundled sample text, one rank with its 2 data workers, with steps long enough (about 1 s on
 # a free core, 2-3 s on this shared 2-core machine: the head over a 50k vocabulary on 2048 tokens) that the second

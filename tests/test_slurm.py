@@ -13,8 +13,6 @@ import pytest
 from tests.helpers import REPO, SMALL_VOCAB, env, read_metrics
 from tests.slurm_cluster import SlurmCluster, start_cluster
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 CONFIG = "configs/transformer_tiny.toml"
 STEPS = 5
 ARGS = [*SMALL_VOCAB, f"--training.steps={STEPS}", "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",

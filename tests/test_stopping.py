@@ -14,8 +14,6 @@ from flame.config import RunError
 from flame.run_lock import LOCK_NAME, lock_run_folder
 from tests.helpers import REPO, SMALL_VOCAB, env, last_step, run_processes, run_train, wait_for_step, write_config
 
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
-
 # the tiny default config on the bundled sample text (512-token vocabulary): one rank with its 2 data workers, a step
 # every moment
 ARGS = [*SMALL_VOCAB, "--training.seq_len=32", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",

@@ -133,7 +133,6 @@ print(loss.item())
 """
 
 
-@pytest.mark.slow   # started first: tests/conftest.py
 def test_a_second_compiled_run_on_a_warm_cache(tmp_path):
     # Inductor for real (C++ on CPU), twice on one cache folder, as a user's second launch of a config is. With
     # AOTAutograd's cache warm, the second run replayed the outputs aliasing a linear's 3-D result with garbage sizes

@@ -113,7 +113,6 @@ def test_gpu_bf16_packed_training_step_is_finite():
         assert torch.isfinite(p.grad).all(), n
 
 
-@pytest.mark.slow   # started first: tests/conftest.py
 def test_loss_falls_through_launch(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(

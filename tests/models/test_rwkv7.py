@@ -78,7 +78,6 @@ def test_gpu_kernel_path_matches_cpu_path():
     assert_gpu_path_matches_cpu_path(model, torch.randint(0, 512, (2, 300)))
 
 
-@pytest.mark.slow   # started first: tests/conftest.py
 def test_loss_falls_on_sample_data_through_launch(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(
