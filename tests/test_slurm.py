@@ -14,7 +14,9 @@ from tests.helpers import REPO, SMALL_VOCAB, env, read_metrics
 from tests.slurm_cluster import SlurmCluster, start_cluster
 
 CONFIG = "configs/transformer_tiny.toml"
-STEPS = 5
+STEPS = 20
+"""The notice comes after step 2 and takes a step or two to reach every rank: at 5 steps the run could end first
+(the tiny steps are fast on an idle machine), and the job then completed without its requeue."""
 ARGS = [*SMALL_VOCAB, f"--training.steps={STEPS}", "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1",
         "--lr_scheduler.warmup_steps=1", "--data.num_workers=1", "--checkpoint.interval=1000"]
 JOB_TIMEOUT_S = 180
