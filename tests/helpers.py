@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -132,16 +133,21 @@ def env() -> dict:
 
 
 def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """One training job: torchrun (gloo) for several ranks; one rank is `python -m flame.train`, forked on CPU from
-    this test process's tests/train_forks.py server, which has imported torch and flame once (seconds a job)."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "flame.train", "--config", str(config), *overrides]
-        if torch.cuda.is_available():  # a fork after CUDA's driver was touched cannot use it
-            return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
-        return forked_train(cmd, timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "flame.train", "--config", str(config), *overrides]
+    """One training job of `nproc` ranks (gloo on CPU). On CPU its processes are `python -m flame.train` forked from
+    this test process's tests/train_forks.py server, which has imported torch and flame once (seconds a rank), the
+    ranks joined as torchrun joins them (env://); with CUDA, a fresh process or torchrun."""
+    cmd = [sys.executable, "-m", "flame.train", "--config", str(config), *overrides]
+    if not torch.cuda.is_available():
+        return forked_train(cmd, timeout, nproc)
+    if nproc > 1:  # a fork after CUDA's driver was touched cannot use it
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "flame.train"]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 _TRAIN_SERVER: list[subprocess.Popen] = []
@@ -169,20 +175,33 @@ def read_line(stream, timeout: float) -> str | None:
     return line.decode()
 
 
-def forked_train(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """cmd (`python -m flame.train ARGS`) as a job of train_server(): its exit code, stdout and stderr."""
+def forked_train(cmd: list[str], timeout: float, nproc: int = 1) -> subprocess.CompletedProcess:
+    """cmd (`python -m flame.train ARGS`) as a job of `nproc` ranks of train_server(): the exit code (a failed
+    rank's, or 0), and the ranks' stdout and stderr, one after the other."""
     server = train_server()
     with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        job = {"args": cmd[3:], "stdout": str(out), "stderr": str(err), "env": env()}
-        server.stdin.write((json.dumps(job) + "\n").encode())
-        pid = int(read_line(server.stdout, 60))
+        rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                      "MASTER_PORT": str(free_port())}
+        ranks = [{"stdout": f"{tmp}/stdout{r}", "stderr": f"{tmp}/stderr{r}",
+                  "env": env() if nproc == 1 else dict(env(), RANK=str(r), LOCAL_RANK=str(r), **rendezvous)}
+                 for r in range(nproc)]
+        server.stdin.write((json.dumps({"args": cmd[3:], "ranks": ranks}) + "\n").encode())
+        pids = [int(pid) for pid in read_line(server.stdout, 60).split()]
         line = read_line(server.stdout, timeout)
+
+        def output(name):
+            return "".join(Path(r[name]).read_text() for r in ranks)
+
         if line is None:
-            os.killpg(pid, signal.SIGKILL)
+            for pid in pids:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # this rank had ended
+                    pass
             read_line(server.stdout, 60)
-            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(cmd, int(line.split()[1]), out.read_text(), err.read_text())
+            raise subprocess.TimeoutExpired(cmd, timeout, output("stdout"), output("stderr"))
+        code = next((int(c) for c in line.split()[1:] if c != "0"), 0)
+        return subprocess.CompletedProcess(cmd, code, output("stdout"), output("stderr"))
 
 
 def launch_sh(config, *args: str, nproc: int, wait: bool = True, timeout: int = 300, **extra_env: str):

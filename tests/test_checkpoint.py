@@ -5,16 +5,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from flame.export import load_exported
-from tests.helpers import REPO, SMALL_VOCAB, env, launch_sh, read_checkpoint, read_metrics, run_train, write_config
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
+from flame.export import load_exported, main as export
+from tests.helpers import REPO, SMALL_VOCAB, launch_sh, read_checkpoint, read_metrics, run_train, write_config
 
 # the tiny default config on the bundled sample text (2 data workers per rank) at a 512-token vocabulary, made short
 TEXT = [*SMALL_VOCAB, "--training.seq_len=64", "--training.batch_size=2", "--validation.enable=false", "--metrics.log_freq=1", "--checkpoint.keep_latest_k=0",
@@ -92,7 +89,8 @@ def test_text_checkpoint_on_other_rank_count_stops_with_advice(tmp_path, straigh
     assert (dump / ".lock").read_text() == ""
 
     # restarting the data streams on 1 rank halves the global batch: said with the other changes applied
-    proc = launch(dump, "--training.steps=9", "--checkpoint.data_state=restart", nproc=1)
+    proc = run_train(REPO / "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT, "--training.steps=9",
+                     "--checkpoint.data_state=restart")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "took over the lock" not in proc.stdout
     assert "global batch changed since step 8 (applied): 4 sequences in the checkpoint (2 x 2 x 1 ranks x " \
@@ -149,9 +147,7 @@ def test_export_round_trip_and_init_from(tmp_path):
     path, dump = write_config(tmp_path)
     assert run_train(path, "--training.steps=3").returncode == 0
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "-m", "flame.export", str(dump), str(out)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    export([str(dump), str(out)])  # (its command line: tests/test_export_cli.py)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
 
     model = load_exported(out)

@@ -1,11 +1,12 @@
 """Two nodes on one machine: two `scripts/launch.sh` with NNODES=2 and NODE_RANK 0 / 1 joining at 127.0.0.1 (one CPU
 process each, gloo, HSDP dp_replicate=2) train as one node of two processes does, their checkpoint resumes on one
-node, and flame.export / flame.convert read it from the shared run folder, or name the shard a node did not share."""
+node, and flame.export / flame.convert read it from the shared run folder, or name the shard a node did not share.
+The one-node runs are two ranks started as torchrun starts them (tests.helpers.run_train): the launcher on one node
+is tested elsewhere."""
 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 
 import pytest
@@ -13,9 +14,7 @@ import pytest
 from flame.convert import main as convert
 from flame.export import main as export
 from flame.export import read_export
-from tests.helpers import REPO, env, read_checkpoint, read_metrics, write_config
-
-pytestmark = pytest.mark.slow  # long tests (launches, compiles) start first: tests/conftest.py
+from tests.helpers import REPO, env, free_port, read_checkpoint, read_metrics, run_train, write_config
 
 HSDP = ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=1"]
 ARGS = ["--training.batch_size=2", "--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor=1.0",
@@ -23,24 +22,18 @@ ARGS = ["--training.batch_size=2", "--lr_scheduler.decay_type=linear", "--lr_sch
 TOOLS = {"flame.export": export, "flame.convert": convert}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launch_node(config, *overrides: str, node_rank: int, port: int) -> subprocess.Popen:
+    """scripts/launch.sh as node `node_rank` of 2 nodes of one CPU process each."""
+    extra = {"NPROC": "1", "NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "RDZV_ID": f"two-nodes-{port}"}
+    return subprocess.Popen(["bash", "scripts/launch.sh", str(config), *ARGS, *overrides], cwd=REPO,
+                            env=dict(env(), **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
-def launch(config, *overrides: str, nodes: int = 1, node_rank: int = 0, port: int | None = None,
-           wait: bool = True):
-    """scripts/launch.sh with one CPU process per node (NNODES nodes), or two on one node."""
-    extra = {"NPROC": "1", "NNODES": str(nodes), "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "RDZV_ID": f"two-nodes-{port}"} if nodes > 1 else {"NPROC": "2"}
-    cmd = ["bash", "scripts/launch.sh", str(config), *ARGS, *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=240)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def one_node(config, *overrides: str) -> subprocess.CompletedProcess:
+    """Two processes on one node."""
+    return run_train(config, *ARGS, *overrides, nproc=2, timeout=240)
 
 
 def losses(dump) -> dict[int, float]:
@@ -53,10 +46,9 @@ def test_two_nodes_train_as_one_node_then_export_and_resume_on_one_node(tmp_path
     # two processes with the same layout and global batch
     config, dump = write_config(tmp_path, "two_nodes")
     port = free_port()
-    nodes = [launch(config, *HSDP, "--training.steps=2", nodes=2, node_rank=r, port=port, wait=False)
-             for r in (0, 1)]
+    nodes = [launch_node(config, *HSDP, "--training.steps=2", node_rank=r, port=port) for r in (0, 1)]
     straight_config, straight = write_config(tmp_path, "one_node")
-    reference = launch(straight_config, *HSDP, "--training.steps=4")
+    reference = one_node(straight_config, *HSDP, "--training.steps=4")
     assert reference.returncode == 0, reference.stderr[-3000:]
     outputs = ""
     for r, proc in enumerate(nodes):
@@ -79,7 +71,7 @@ def test_two_nodes_train_as_one_node_then_export_and_resume_on_one_node(tmp_path
     exports_from_the_shared_run_folder(dump, tmp_path, capsys)
 
     # one node of two processes, plain FSDP now (DCP reshards): the run goes on with the uninterrupted run's losses
-    resumed = launch(config, "--training.steps=4")
+    resumed = one_node(config, "--training.steps=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(replicate x shard = (1, 2))" in resumed.stdout and "resumed from step 2" in resumed.stdout
     got = losses(dump)
