@@ -175,9 +175,19 @@ def read_line(stream, timeout: float) -> str | None:
     return line.decode()
 
 
-def forked_train(cmd: list[str], timeout: float, nproc: int = 1) -> subprocess.CompletedProcess:
-    """cmd (`python -m flame.train ARGS`) as a job of `nproc` ranks of train_server(): the exit code (a failed
-    rank's, or 0), and the ranks' stdout and stderr, one after the other."""
+def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -c script ARGS` in a process of its own: on CPU forked from train_server() (torch and flame imported
+    already), with CUDA a fresh one."""
+    cmd = [sys.executable, "-c", script, *args]
+    if torch.cuda.is_available():
+        return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return forked_train(cmd, timeout, script=script)
+
+
+def forked_train(cmd: list[str], timeout: float, nproc: int = 1,
+                 script: str | None = None) -> subprocess.CompletedProcess:
+    """cmd (`python -m flame.train ARGS`, or with `script`, `python -c script ARGS`) as a job of `nproc` ranks of
+    train_server(): the exit code (a failed rank's, or 0), and the ranks' stdout and stderr, one after the other."""
     server = train_server()
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
@@ -185,7 +195,8 @@ def forked_train(cmd: list[str], timeout: float, nproc: int = 1) -> subprocess.C
         ranks = [{"stdout": f"{tmp}/stdout{r}", "stderr": f"{tmp}/stderr{r}",
                   "env": env() if nproc == 1 else dict(env(), RANK=str(r), LOCAL_RANK=str(r), **rendezvous)}
                  for r in range(nproc)]
-        server.stdin.write((json.dumps({"args": cmd[3:], "ranks": ranks}) + "\n").encode())
+        job = {"args": cmd[3:], "ranks": ranks, **({} if script is None else {"script": script})}
+        server.stdin.write((json.dumps(job) + "\n").encode())
         pids = [int(pid) for pid in read_line(server.stdout, 60).split()]
         line = read_line(server.stdout, timeout)
 

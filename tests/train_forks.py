@@ -8,7 +8,7 @@ A job is {"args": [...], "stdout": PATH, "stderr": PATH, "env": {...}} (one proc
 (MASTER_ADDR, MASTER_PORT), as torchrun's env:// set-up does. Each process is a whole training process (no
 torchrun) that the test may kill at any moment with its session. It ends as `python -m flame.train ARGS` would: its
 exit code, a traceback on stderr for an uncaught exception. As torchrun does, once a rank has failed the others get
-30 s to end by themselves before they are killed.
+30 s to end by themselves before they are killed. With "script": CODE, a job runs `python -c CODE ARGS` instead.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ GRACE = 30.0
 """Seconds the other ranks of a job get to end after one has failed, before they are killed."""
 
 
-def run_job(args: list[str], out: dict) -> None:
-    """In the forked child: become the job's process (out: its stdout, stderr and env), run it, never return."""
+def run_job(args: list[str], out: dict, script: str | None = None) -> None:
+    """In the forked child: become the job's process (out: its stdout, stderr and env), run flame.train (or
+    `script` as `python -c` runs it), never return."""
     code = 1
     try:
         os.setsid()
@@ -38,8 +39,12 @@ def run_job(args: list[str], out: dict) -> None:
         stderr = os.open(out["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
-        flame.train.STARTED = time.perf_counter()  # "since launch" counts from the fork
-        flame.train.main(args)  # ends the process itself (os._exit) when it runs to its end
+        if script is not None:
+            sys.argv = ["-c", *args]
+            exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            flame.train.STARTED = time.perf_counter()  # "since launch" counts from the fork
+            flame.train.main(args)  # ends the process itself (os._exit) when it runs to its end
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -83,7 +88,7 @@ def main() -> None:
         for out in job.get("ranks", [job]):
             pid = os.fork()
             if pid == 0:
-                run_job(job["args"], out)
+                run_job(job["args"], out, job.get("script"))
             pids.append(pid)
         print(*pids, flush=True)
         print("exit", *wait_all(pids), flush=True)

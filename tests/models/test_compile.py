@@ -97,14 +97,10 @@ print(dynamo.utils.counters["stats"]["unique_graphs"], losses[0], losses[1])
 def test_blocks_compile_under_full_activation_checkpointing(config):
     # parallelize wraps each block in its checkpoint and compiles the wrapper: the blocks must still be captured
     # (Dynamo traces checkpoint() as one higher-order op; a graph break inside would run the block eager) and give
-    # the uncompiled loss.
-    import subprocess
-    import sys
+    # the uncompiled loss. (A process of its own: it joins a process group of one.)
+    from tests.helpers import run_script
 
-    from tests.helpers import REPO, env
-
-    proc = subprocess.run([sys.executable, "-c", AC_COMPILE_SCRIPT, config], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script(AC_COMPILE_SCRIPT, config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     graphs, eager_loss, compiled_loss = proc.stdout.split()
     assert int(graphs) >= 1, f"{config}: no block was compiled under full activation checkpointing"

@@ -7,7 +7,8 @@ import pytest
 
 
 FSDP_VIEW_SCRIPT = r"""
-import sys, torch
+import sys, torch, warnings
+warnings.filterwarnings("error", "FSDP2-wrapped module", UserWarning)   # (python -W error:...)
 from flame import parallel
 from flame.config import load_config
 from flame.models import build_model
@@ -28,11 +29,7 @@ print("ok")
 def test_sharded_blocks_return_no_views(config):
     # FSDP2 warns at every run when a block returns a view ("can cause backward to fail or produce wrong
     # gradients"): RWKV-7's later layers handed their v_first input back out, which FSDP's hooks had made a view.
-    import subprocess
-    import sys
+    from tests.helpers import run_script
 
-    from tests.helpers import REPO, env
-
-    proc = subprocess.run([sys.executable, "-W", "error:FSDP2-wrapped module:UserWarning", "-c", FSDP_VIEW_SCRIPT,
-                           config], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_script(FSDP_VIEW_SCRIPT, config)   # (a process of its own: it joins a process group of one)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
