@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from flame.config import ModelArgs, check
 from kernels.limits import GSA_MAX_SLOTS, RWKV6_MAX_K, RWKV7_MAX_K
@@ -56,11 +57,36 @@ def _lora_dim(hidden: int, factor: float) -> int:
 
 
 @dataclass
-class RWKV7Args(ModelArgs):
-    name: str = "rwkv7"
+class RWKVArgs(ModelArgs):
+    """What RWKV-7 and RWKV-6 share, with their checks; each adds its own widths and its kernel's head-size limit."""
+
     hidden_size: int = 1024
     num_layers: int = 24
     head_dim: int = 64
+    norm_eps: float = 1e-5
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the output projection + cross entropy."""
+    l2wrap: bool = True
+    """RWKV-LM trains RWKV-7 and RWKV-6 with L2Wrap (see ModelArgs.l2wrap)."""
+    max_head_dim: ClassVar[int] = 0
+    """The largest head size the model's Triton kernel builds (kernels/limits.py)."""
+
+    def validate(self, positive: tuple[str, ...] = ()) -> None:
+        """positive: the subclass's own keys that must be >= 1, checked beside the shared ones."""
+        super().validate()
+        for key in ("hidden_size", "num_layers", "head_dim", *positive):
+            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
+        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
+              self.head_dim)
+        check(self.head_dim <= self.max_head_dim, "model.head_dim",
+              f"at most {self.max_head_dim} (the largest the Triton kernel builds)", self.head_dim)
+        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
+              self.num_layers)
+
+
+@dataclass
+class RWKV7Args(RWKVArgs):
+    name: str = "rwkv7"
     decay_low_rank: int | None = None
     """Low-rank width of the decay path; None = RWKV-LM's max(32, round(2.5 sqrt(hidden) / 32) * 32)."""
     a_low_rank: int | None = None
@@ -71,22 +97,10 @@ class RWKV7Args(ModelArgs):
     """Output gate path; None = 5 sqrt(hidden), as above."""
     ffn_mult: int = 4
     """Channel-mixing width = ffn_mult * hidden_size."""
-    norm_eps: float = 1e-5
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the output projection + cross entropy."""
-    l2wrap: bool = True
-    """RWKV-LM trains RWKV-7 with L2Wrap (see ModelArgs.l2wrap)."""
+    max_head_dim: ClassVar[int] = RWKV7_MAX_K
 
     def validate(self) -> None:
-        super().validate()
-        for key in ("hidden_size", "num_layers", "head_dim", "ffn_mult"):
-            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
-        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
-              self.head_dim)
-        check(self.head_dim <= RWKV7_MAX_K, "model.head_dim",
-              f"at most {RWKV7_MAX_K} (the largest the Triton kernel builds)", self.head_dim)
-        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
-              self.num_layers)
+        super().validate(("ffn_mult",))
 
     def lora(self, which: str) -> int:
         given = getattr(self, f"{which}_low_rank")
@@ -94,33 +108,18 @@ class RWKV7Args(ModelArgs):
 
 
 @dataclass
-class RWKV6Args(ModelArgs):
+class RWKV6Args(RWKVArgs):
     name: str = "rwkv6"
-    hidden_size: int = 1024
-    num_layers: int = 24
-    head_dim: int = 64
     mix_low_rank: int = 32
     """Width of each of the five token-shift mix paths (RWKV-LM's D_MIX_LORA)."""
     decay_low_rank: int = 64
     """Width of the decay path (RWKV-LM's D_DECAY_LORA)."""
     ffn_size: int | None = None
     """Channel-mixing width; None = RWKV-LM's int(3.5 * hidden_size) // 32 * 32."""
-    norm_eps: float = 1e-5
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the output projection + cross entropy."""
-    l2wrap: bool = True
-    """RWKV-LM trains RWKV-6 with L2Wrap (see ModelArgs.l2wrap)."""
+    max_head_dim: ClassVar[int] = RWKV6_MAX_K
 
     def validate(self) -> None:
-        super().validate()
-        for key in ("hidden_size", "num_layers", "head_dim", "mix_low_rank", "decay_low_rank"):
-            check(getattr(self, key) >= 1, f"model.{key}", "an integer >= 1", getattr(self, key))
-        check(self.hidden_size % self.head_dim == 0, "model.head_dim", "a divisor of model.hidden_size",
-              self.head_dim)
-        check(self.head_dim <= RWKV6_MAX_K, "model.head_dim",
-              f"at most {RWKV6_MAX_K} (the largest the Triton kernel builds)", self.head_dim)
-        check(self.num_layers >= 2, "model.num_layers", "an integer >= 2 (the init interpolates over depth)",
-              self.num_layers)
+        super().validate(("mix_low_rank", "decay_low_rank"))
         if self.ffn_size is not None:
             check(self.ffn_size >= 1, "model.ffn_size", "an integer >= 1 (or unset)", self.ffn_size)
 
