@@ -30,7 +30,7 @@ def saves_output(func) -> bool:
     namespace, name = getattr(func, "namespace", None), getattr(func, "_opname", "")
     if namespace == "aten":
         return name in SAVED_ATEN_OPS or name.startswith(SAVED_ATEN_PREFIXES)
-    if namespace == "_c10d_functional":  # context parallelism's exchanges: never run a collective again in backward
+    if namespace in ("_c10d_functional", "flame_cp"):  # context parallelism's exchanges: never again in backward
         return True
     if namespace == "flame":
         return (name.startswith(CHUNK_KERNEL_PREFIX) and not name.endswith("_bwd")) or name in SAVED_GLUE_OPS
@@ -41,21 +41,34 @@ def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if saves_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class KeepMatmulsAC(ActivationCheckpointing):
-    """torchtitan's per-block wrapping with our save list. (torchtitan's SelectiveAC also recomputes every
-    second matmul, which is the cost this choice exists to avoid.)"""
+def _exchanges_only_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    exchange = getattr(func, "namespace", None) in ("_c10d_functional", "flame_cp")
+    return CheckpointPolicy.MUST_SAVE if exchange else CheckpointPolicy.MUST_RECOMPUTE
+
+
+class PolicyAC(ActivationCheckpointing):
+    """torchtitan's per-block wrapping with a policy of ours. (torchtitan's SelectiveAC also recomputes every
+    second matmul, which is the cost our selective policy exists to avoid.)"""
+
+    def __init__(self, policy) -> None:
+        super().__init__(ActivationCheckpointing.Config())
+        self.policy = policy
 
     def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
-        c = self.config
-        return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(_policy),
+        c, policy = self.config, self.policy
+        return checkpoint_wrapper(module, context_fn=lambda: create_selective_checkpoint_contexts(policy),
                                   preserve_rng_state=c.preserve_rng_state, determinism_check=c.determinism_check,
                                   early_stop=False, debug=c.debug)
 
 
 def wrap_blocks(model: nn.Module, mode: str) -> None:
     """Replace each block of `model.layers` by its checkpoint wrapper ("full" or "selective"; "none" does nothing).
-    The wrapper holds the block as `_checkpoint_wrapped_module`, which FSDP and the state dict see through."""
-    if mode == "full":
+    The wrapper holds the block as `_checkpoint_wrapped_module`, which FSDP and the state dict see through.
+    A context-parallel model's full checkpointing keeps its exchanges' outputs and recomputes everything else: run
+    again, the chain's receive would wait for a send that never comes (and the gather would gather again)."""
+    if mode == "full" and getattr(model, "context_parallel", None) is not None:
+        PolicyAC(_exchanges_only_policy).apply(model)
+    elif mode == "full":
         FullAC(FullAC.Config()).apply(model)
     elif mode == "selective":
-        KeepMatmulsAC(KeepMatmulsAC.Config()).apply(model)
+        PolicyAC(_policy).apply(model)

@@ -26,6 +26,8 @@ from kernels.limits import CHUNK_MULTIPLE
 
 CONTEXT_PARALLEL_MODELS = ("rwkv7", "rwkv6", "gsa")
 """The models whose layers run as pieces of a sequence (flame/context_parallel.py)."""
+CHAIN_MODELS = ("rwkv7", "rwkv6")
+"""The models whose layers can exchange through the send/recv chain (parallelism.context_parallel_exchange)."""
 
 
 # ----------------------------------------------------------------------------------------------------------- sections
@@ -147,6 +149,10 @@ class ParallelismConfig:
     Processes = dp_replicate x dp_shard x this; the ranks of one group read the same rows, so the global batch is
     batch_size x accumulation x dp_replicate x dp_shard sequences; FSDP shards over dp_shard x this.
     training.seq_len must be a multiple of this x 64."""
+    context_parallel_exchange: Literal["gather", "chain"] = "gather"
+    """How the pieces of a row exchange what crosses their boundaries (docs/context_parallel.md). gather: every rank
+    computes its piece's transition beside its outputs and all-gathers states and tokens (every model). chain (RWKV-7,
+    RWKV-6): rank r waits for rank r - 1's state of each layer and sends its own on, computing nothing twice."""
     collective_timeout_sec: float = 600.0
     """Seconds every rank may take to reach a step or a collective; past it the job fails naming the ranks that did
     not arrive (a hung or lost rank), instead of torch's 30 minutes of silence."""
@@ -279,6 +285,10 @@ class Config:
             check(self.model.name in CONTEXT_PARALLEL_MODELS, "parallelism.context_parallel_degree",
                   f"1 with model.name = {self.model.name!r}: context parallelism needs a recurrent model "
                   f"({', '.join(CONTEXT_PARALLEL_MODELS)})", cp)
+            if self.parallelism.context_parallel_exchange == "chain":
+                check(self.model.name in CHAIN_MODELS, "parallelism.context_parallel_exchange",
+                      f"'gather' with model.name = {self.model.name!r} (the chain runs {', '.join(CHAIN_MODELS)})",
+                      "chain")
             multiple = cp * CHUNK_MULTIPLE
             check(self.training.seq_len % multiple == 0, "training.seq_len",
                   f"a multiple of {multiple} (context_parallel_degree {cp} x {multiple // cp}: every rank's piece "

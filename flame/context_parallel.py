@@ -20,14 +20,19 @@ kernels/limits.py's CHUNK_MULTIPLE).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from flame.config import CONTEXT_PARALLEL_MODELS
+from flame import cp_chain
+from flame.config import CHAIN_MODELS, CONTEXT_PARALLEL_MODELS
 
+
+
+LINKS = ("attn_shift", "state", "ffn_shift")
+"""The chain's kinds of transfer, one process group each (flame/cp_chain.py)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,21 @@ class ContextParallel:
     group: dist.ProcessGroup   # the ranks sharing one sequence, in sequence order
     rank: int                  # this rank's piece: 0 = the first T/size tokens of every row
     size: int
+    links: dict[str, str] | None = field(default=None, compare=False)
+    """The chain's process group per kind of transfer (LINKS; by name, as its custom ops take them): the layers pass
+    states and tokens rank to rank (flame/cp_chain.py). None: they all-gather them (the gather)."""
+
+
+def chain_links(cp_groups: list[list[int]]) -> dict[str, str]:
+    """Creates a process group per kind of transfer for each cp group (its ranks in sequence order; every rank of the
+    job calls this, with the same list) and returns this rank's: ContextParallel.links."""
+    mine, rank = {}, dist.get_rank()
+    for kind in LINKS:
+        for ranks in cp_groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group.group_name
+    return mine
 
 
 def split_batch(batch: dict, cp: ContextParallel) -> dict:
@@ -77,6 +97,8 @@ def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
     if cp is not None:
         if name not in CONTEXT_PARALLEL_MODELS:
             raise ValueError(f"context parallel supports {', '.join(CONTEXT_PARALLEL_MODELS)}, not model {name!r}")
+        if cp.links is not None and name not in CHAIN_MODELS:
+            raise ValueError(f"context parallel exchange 'chain' supports {', '.join(CHAIN_MODELS)}, not model {name!r}")
         if dist.get_world_size(cp.group) != cp.size or dist.get_rank(cp.group) != cp.rank:
             raise ValueError(f"context parallel: rank {cp.rank} of {cp.size} does not match the process group's "
                              f"rank {dist.get_rank(cp.group)} of {dist.get_world_size(cp.group)}")
@@ -112,6 +134,7 @@ def make_piece(cp: ContextParallel | None, input_ids: torch.Tensor, cu_seqlens: 
     """The Piece of a model's forward (input_ids [B, T] before any packing), or None without cp."""
     if cp is None:
         return None
+    cp_chain.wait_sends()   # the previous pass's sends
     B, T = input_ids.shape
     dev = input_ids.device
     if continues is None:
@@ -168,11 +191,19 @@ def incoming_state(piece: Piece, local: list[torch.Tensor], transition: list[tor
     return [torch.stack(states)[piece.cp.rank] for states in zip(*prefixes)]
 
 
-def previous_tokens(piece: Piece, last: torch.Tensor) -> torch.Tensor:
+def previous_tokens(piece: Piece, last: torch.Tensor, kind: str, anchor: torch.Tensor) -> torch.Tensor:
     """The previous rank's `last` [B, n, C] (its rows' last n tokens, zeroed where they are not in its rows' last
-    segment), zero where this rank's row does not continue that document: [B, n, C] fp32."""
-    gathered = _gather(piece.cp, [last])
-    prev = gathered[max(piece.cp.rank - 1, 0)][0]
+    segment), zero where this rank's row does not continue that document: [B, n, C] fp32. kind and anchor: the
+    chain's kind of transfer (LINKS) and a parameter of the layer (cp_chain.recv_prev)."""
+    cp = piece.cp
+    if cp.links is None:
+        prev = _gather(cp, [last])[max(cp.rank - 1, 0)][0]
+    else:
+        group = cp.links[kind]
+        link = cp_chain.send(group, cp.rank, cp.size, last)
+        prev = cp_chain.receive(group, cp.rank, anchor, last, list(last.shape), last.dtype).float()
+        if link is not None:   # the send's backward then receives last's gradient when prev's is there
+            prev = prev + link
     return prev * piece.continues[:, None, None]
 
 
@@ -234,16 +265,38 @@ def add_incoming(piece: Piece, o: torch.Tensor, reach: torch.Tensor, state: torc
     return o + extra.to(o.dtype).reshape(o.shape)
 
 
+def chained_state(piece: Piece, anchor: torch.Tensor, k: torch.Tensor, V: int,
+                  chunk_op: Callable[[torch.Tensor | None, bool], tuple]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk op of this rank's piece through the chain: chunk_op(initial states or None, whether to return the final
+    state) runs from the row states [B, H, K, V] the previous rank sends (placed after k; anchor: recv_prev's) and
+    its rows' final states go on to the next rank. Returns (o, link) (chunk_rwkv7_cp)."""
+    cp = piece.cp
+    group, last_rank = cp.links["state"], cp.rank == cp.size - 1
+    h0 = None
+    if cp.rank > 0:
+        shape = [piece.B, k.shape[2], k.shape[3], V]
+        h0 = first_segment_states(piece, cp_chain.receive(group, cp.rank, anchor, k, shape, torch.float32))
+    o, final = chunk_op(h0, not last_rank)
+    return o, None if last_rank else cp_chain.send(group, cp.rank, cp.size, final[piece.last_seg])
+
+
 # The three recurrences run as pieces: local outputs and state from zero, transition, exchange, then what the
 # incoming state adds. Only the public chunk calls are used (the Triton path on CUDA, the PyTorch path on CPU).
 
 def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
-    """chunk_rwkv7 (decay logits z, bias w0, scale 1) of this rank's piece, continuing the previous ranks' states.
-    One chunk op over [v | 0] from [0 | I] (its columns are independent): the left V columns give the local outputs
-    and final state, the right K the transition P = prod_t (diag(e^w_t) + b_t a_t^T) (final state) and each token's
-    reach r_t^T prod_{s<=t} (...) (outputs), through which the incoming state E adds reach_t^T E."""
+    """chunk_rwkv7 (decay logits z, bias w0, scale 1) of this rank's piece, continuing the previous ranks' states:
+    (o, link), link being the chain's (cp_chain.send_next: the caller adds it to a small tensor its output's
+    backward differentiates, before the chunk op's; None for the gather).
+    Chain: the chunk op runs from the state the previous rank sends, and sends its final state on.
+    Gather: one chunk op over [v | 0] from [0 | I] (its columns are independent): the left V columns give the local
+    outputs and final state, the right K the transition P = prod_t (diag(e^w_t) + b_t a_t^T) (final state) and each
+    token's reach r_t^T prod_{s<=t} (...) (outputs), through which the incoming state E adds reach_t^T E."""
     from kernels.rwkv7 import chunk_rwkv7
 
+    if piece.cp.links is not None:
+        return chained_state(piece, w0, k, v.shape[-1], lambda h0, final: chunk_rwkv7(
+            r, z, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens,
+            w_bias=w0))
     V, (_, _, H, K) = v.shape[-1], k.shape
     wide = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], -1)
     eye = torch.eye(K, device=k.device).expand(piece.segments, H, K, K)
@@ -254,19 +307,23 @@ def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
     local, product = final[piece.last_seg].split([V, K], -1)
     state, = incoming_state(piece, [local], [product * piece.carries[:, None, None, None]],
                             lambda p, e: [p[0] @ e[0]])
-    return add_incoming(piece, o, reach, state)
+    return add_incoming(piece, o, reach, state), None
 
 
 def chunk_rwkv6_cp(piece: Piece, r, k, v, w, u, cu_seqlens):
-    """chunk_rwkv6 (log decay w, bonus u, scale 1) of this rank's piece, continuing the previous ranks' states: the
-    chunk op from zero, then the incoming state E adds (r_t e^{sum_{s<t} w_s})^T E (the bonus term has no state)."""
+    """chunk_rwkv6 (log decay w, bonus u, scale 1) of this rank's piece, continuing the previous ranks' states:
+    (o, link) as chunk_rwkv7_cp's. Chain: the chunk op from the state the previous rank sends. Gather: the chunk op
+    from zero, then the incoming state E adds (r_t e^{sum_{s<t} w_s})^T E (the bonus term has no state)."""
     from kernels.rwkv6 import chunk_rwkv6
 
+    if piece.cp.links is not None:
+        return chained_state(piece, u, k, v.shape[-1], lambda h0, final: chunk_rwkv6(
+            r, k, v, w, u, scale=1.0, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens))
     o, final = chunk_rwkv6(r, k, v, w, u, scale=1.0, output_final_state=True, cu_seqlens=cu_seqlens)
     state, = incoming_state(piece, [final[piece.last_seg]], [row_log_decay_sum(piece, w)],
                             lambda d, e: [d[0][..., None] * e[0]])
     reach = r.float() * exclusive_cumsum(piece.rows(w.float())).exp().reshape(r.shape)
-    return add_incoming(piece, o, reach, state)
+    return add_incoming(piece, o, reach, state), None
 
 
 def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens):

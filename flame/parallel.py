@@ -53,14 +53,16 @@ class Dist:
         """This rank's data-parallel coordinate, its reader index in the data loader."""
         return self.rank if self.cp_mesh is None else self.cp_mesh["dp"].get_local_rank()
 
-    def context_parallel(self):
-        """This rank's flame.context_parallel.ContextParallel, or None when cp = 1."""
+    def context_parallel(self, exchange: str):
+        """This rank's flame.context_parallel.ContextParallel, or None when cp = 1; exchange: "gather" or "chain"
+        (every rank calls this: the chain's process groups are created here)."""
         if self.cp_mesh is None:
             return None
-        from flame.context_parallel import ContextParallel
+        from flame.context_parallel import ContextParallel, chain_links
 
         cp = self.cp_mesh["cp"]
-        return ContextParallel(group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size())
+        links = chain_links(self.cp_mesh.mesh.tolist()) if exchange == "chain" else None
+        return ContextParallel(group=cp.get_group(), rank=cp.get_local_rank(), size=cp.size(), links=links)
 
 
 def _free_port() -> int:

@@ -89,7 +89,7 @@ class Trainer:
         t = self.cfg.training
         self.d = init_distributed(self.cfg.parallelism)
         self.rank, self.device = self.d.rank, self.d.device
-        self.cp = self.d.context_parallel()  # None unless parallelism.context_parallel_degree > 1
+        self.cp = self.d.context_parallel(self.cfg.parallelism.context_parallel_exchange)  # None unless cp > 1
         self.heartbeat = Heartbeat(self.cfg.parallelism.collective_timeout_sec)
         random.seed(t.seed)
         torch.manual_seed(t.seed)

@@ -23,6 +23,8 @@ from tests.helpers import REPO, env, exit_line, write_config
     ("--model.hidden_sise=64", "model.hidden_sise", "a known key"),
     ("--parallelism.dp_replicate=2", "parallelism", "dp_replicate * dp_shard = number of processes (1)"),
     ("--parallelism.context_parallel_degree=0", "parallelism.context_parallel_degree", "an integer >= 1"),
+    ("--parallelism.context_parallel_exchange=ring", "parallelism.context_parallel_exchange",
+     "one of 'gather', 'chain'"),
     ("--parallelism.context_parallel_degree=2", "parallelism.context_parallel_degree",
      "1 with model.name = 'transformer': context parallelism needs a recurrent model (rwkv7, rwkv6, gsa), got 2"),
 ])
@@ -96,6 +98,8 @@ def test_head_sizes_beyond_the_kernels_stop_at_the_config(capsys, config, overri
      "got '1 * -1 (the rest) * 2'"),
     (["--parallelism.dp_shard=2"], "6", "parallelism: expected dp_replicate * dp_shard * context_parallel_degree = "
      "number of processes (6), got '1 * 2 * 2'"),
+    (["--parallelism.context_parallel_exchange=chain"], None, "parallelism.context_parallel_exchange: expected "
+     "'gather' with model.name = 'gsa' (the chain runs rwkv7, rwkv6), got 'chain'"),
 ])
 def test_context_parallel_layout_errors(capsys, monkeypatch, overrides, world, expected):
     """cp must cut seq_len into whole chunks and fit the processes with the data-parallel degrees: one line from

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.cp_helpers import COMPILED, case_names, case_run, free_port, worker
+from tests.cp_helpers import CHAIN, case_names, case_of, case_run, compiled_runs, free_port, worker
 
 pytestmark = pytest.mark.gpu
 T_GPU = 512
@@ -41,14 +41,16 @@ def whole_rows(name: str):
     return loss.cpu(), {k: v.cpu() for k, v in grads.items()}
 
 
-@pytest.mark.parametrize("size, name", [(size, name) for size in (2, 4) for name in case_names()]
-                         + [(2, f"{c}_compiled") for c in COMPILED])
+@pytest.mark.parametrize("size, name", [(size, name) for size in (2, 4)
+                                         for name in case_names() + [f"{c}_chain" for c in CHAIN]]
+                         + [(2, f"{case}_{suffix}") for case, suffix in compiled_runs()])
 def test_cp_on_gpus_equals_whole_rows(cp_results, size, name):
-    """cp over 2 and 4 GPUs; the _compiled cases: checkpointed blocks compiled whole (cp_helpers.COMPILED), cp 2."""
+    """cp over 2 and 4 GPUs, the gather and the chain (_chain); the compiled runs at cp 2 (checkpointed blocks
+    compiled whole, cp_helpers.VARIANTS)."""
     out, world = cp_results
     if size > world:
         pytest.skip(f"cp = {size} needs {size} GPUs")
-    ref_loss, ref_grads = whole_rows(name.removesuffix("_compiled"))
+    ref_loss, ref_grads = whole_rows(case_of(name))
     loss, grads = torch.load(out / f"{size}_{name}.pt", map_location="cpu")
     assert abs(float(loss - ref_loss)) <= LOSS_RTOL * abs(float(ref_loss)), (float(loss), float(ref_loss))
     assert grads.keys() == ref_grads.keys()

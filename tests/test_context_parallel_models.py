@@ -13,7 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from flame.context_parallel import ContextParallel, enable, split_batch
-from tests.cp_helpers import COMPILED, WORLD, case_names, case_run, free_port, global_batch, worker
+from tests.cp_helpers import (CHAIN, WORLD, case_names, case_of, case_run, compiled_runs, free_port, global_batch,
+                              worker)
 from tests.tiny_models import tiny_model
 
 LOSS_RTOL = 1e-6
@@ -44,11 +45,9 @@ def whole_rows(name: str):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("name", case_names())
-def test_cp_equals_whole_rows(cp_results, size, name):
+def assert_equal_to_whole_rows(result_file, name):
     ref_loss, ref_grads = whole_rows(name)
-    loss, grads = torch.load(cp_results / f"{size}_{name}.pt")
+    loss, grads = torch.load(result_file)
     assert abs(float(loss - ref_loss)) <= LOSS_RTOL * abs(float(ref_loss)), (float(loss), float(ref_loss))
     assert grads.keys() == ref_grads.keys()
     for param, ref in ref_grads.items():
@@ -56,15 +55,18 @@ def test_cp_equals_whole_rows(cp_results, size, name):
         assert err <= GRAD_RTOL, f"{param}: gradient off by {err:.2e} of its largest"
 
 
-@pytest.mark.parametrize("name", COMPILED)
-def test_cp_compiled_blocks_equal_whole_rows(cp_results, name):
-    """Checkpointed blocks compiled whole (fullgraph) at cp = 2 give the uncompiled whole rows' loss and gradients."""
-    ref_loss, ref_grads = whole_rows(name)
-    loss, grads = torch.load(cp_results / f"2_{name}_compiled.pt")
-    assert abs(float(loss - ref_loss)) <= LOSS_RTOL * abs(float(ref_loss)), (float(loss), float(ref_loss))
-    for param, ref in ref_grads.items():
-        err = float((grads[param] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-        assert err <= GRAD_RTOL, f"{param}: gradient off by {err:.2e} of its largest"
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("name", case_names() + [f"{c}_chain" for c in CHAIN])
+def test_cp_equals_whole_rows(cp_results, size, name):
+    """The gather, and the send/recv chain (_chain)."""
+    assert_equal_to_whole_rows(cp_results / f"{size}_{name}.pt", case_of(name))
+
+
+@pytest.mark.parametrize("name, suffix", compiled_runs())
+def test_cp_compiled_blocks_equal_whole_rows(cp_results, name, suffix):
+    """Checkpointed blocks compiled whole (fullgraph) at cp = 2 give the uncompiled whole rows' loss and gradients:
+    selective and full checkpointing, gather and chain (cp_helpers.VARIANTS)."""
+    assert_equal_to_whole_rows(cp_results / f"2_{name}_{suffix}.pt", name)
 
 
 def test_split_batch_refuses_indivisible_length():

@@ -24,6 +24,7 @@ import pytest
 from tests.helpers import REPO, byte_bpe, launch_sh, read_metrics, run_processes, run_train, wait_for_step
 
 CONFIG = REPO / "configs/gsa_tiny.toml"
+RWKV7 = REPO / "configs/rwkv7_tiny.toml"
 STEPS = 20
 REL = 1e-5
 """cp 2 against cp 1 over 20 AdamW steps: the pieces' states meet in another order (fp32 rounding; measured at most
@@ -127,3 +128,18 @@ def test_cp2_checkpoint_resumes_on_one_process_and_not_as_data_parallel(referenc
     assert "resumed from step 10" in proc.stdout and "context_parallel_degree: 2" in proc.stdout
     assert_close(by_step(killed), by_step(reference), range(11, STEPS + 1))
 
+
+
+def test_rwkv7_chain_repeats_one_process(tmp_path, tokenizer):
+    """RWKV-7 with parallelism.context_parallel_exchange = "chain" (the layers pass states and last tokens rank to
+    rank, flame/cp_chain.py, over process groups the trainer creates): 2 ranks at cp 2 repeat one process's losses
+    and gradient norms over 6 steps of packed documents crossing the boundary."""
+    common = [f"--data.tokenizer={tokenizer}", "--model.vocab_size=512", "--data.varlen=true", "--data.num_workers=0",
+              "--training.batch_size=1", "--training.seq_len=512", "--training.steps=6", "--checkpoint.enable=false",
+              "--metrics.log_freq=1", "--validation.enable=false"]
+    one = run_train(RWKV7, f"--job.dump_folder={tmp_path / 'one'}", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    chain = run_train(RWKV7, f"--job.dump_folder={tmp_path / 'chain'}", *common, "--parallelism.context_parallel_degree=2",
+                      "--parallelism.context_parallel_exchange=chain", nproc=2)
+    assert chain.returncode == 0, chain.stderr[-3000:]
+    assert_close(by_step(tmp_path / "chain"), by_step(tmp_path / "one"), range(1, 7))

@@ -90,7 +90,7 @@ def conv_cp(conv: ShortConv, x: torch.Tensor, positions: torch.Tensor | None, pi
     n = conv.size - 1
     if n == 0:
         return conv(x, positions)
-    prev = previous_tokens(piece, last_tokens_of_piece(piece, x, n))
+    prev = previous_tokens(piece, last_tokens_of_piece(piece, x, n), "attn_shift", conv.weight)
     rows = conv(piece.rows(x), None if positions is None else positions.view(piece.B, piece.T), prev)
     return rows.reshape(x.shape)
 

@@ -86,7 +86,7 @@ class TimeMix(nn.Module):
         B, T, C = x.shape
         H, N, D = self.n_heads, self.args.head_dim, self.args.mix_low_rank
         if piece is not None:
-            xx = token_shift_cp(x, keep, piece) - x
+            xx = token_shift_cp(x, keep, piece, "attn_shift", self.maa_x) - x
         else:
             xx = (token_shift(x, keep) if cache is None else cached_token_shift(x, cache.attn_x, keep, cu_seqlens)) - x
         lora = torch.tanh((x + xx * self.maa_x.to(x.dtype)) @ self.maa_w1).view(B, T, len(MIXES), D)
@@ -98,13 +98,16 @@ class TimeMix(nn.Module):
         z = self.decay.float() + torch.tanh((xw @ self.decay_w1).float()) @ self.decay_w2.float()
         w = -torch.exp(z)
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
+        ln_weight = self.ln_x.weight
         if piece is not None:
-            o = chunk_rwkv6_cp(piece, heads(r), heads(k), heads(v), heads(w), self.bonus, cu_seqlens)
+            o, link = chunk_rwkv6_cp(piece, heads(r), heads(k), heads(v), heads(w), self.bonus, cu_seqlens)
+            if link is not None:   # the chain's: its backward receives the final state's gradient before the op's
+                ln_weight = ln_weight + link
         elif cache is None:
             o, _ = chunk_rwkv6(heads(r), heads(k), heads(v), heads(w), self.bonus, scale=1.0, cu_seqlens=cu_seqlens)
         else:
             o = self.cached_op(heads(r), heads(k), heads(v), heads(w), self.bonus, cu_seqlens, cache.state)
-        o = F.group_norm(o.reshape(B * T, C).float(), H, self.ln_x.weight.float(), self.ln_x.bias.float(),
+        o = F.group_norm(o.reshape(B * T, C).float(), H, ln_weight.float(), self.ln_x.bias.float(),
                          self.ln_x.eps).view(B, T, C)
         return self.o_proj(o.to(x.dtype) * g)
 
@@ -149,7 +152,7 @@ class ChannelMix(nn.Module):
         """x: the residual stream; norm: the block's ffn_norm, applied with the token shift."""
         mix = torch.stack([self.maa_k, self.maa_r])
         if piece is not None:
-            xk, xr = norm_shift_mix_cp(x, norm, mix, keep, piece)
+            xk, xr = norm_shift_mix_cp(x, norm, mix, keep, piece, "ffn_shift")
         else:
             xk, xr = norm_shift_mix_cached(x, norm, mix, keep, cu_seqlens, None if cache is None else cache.ffn_x)
         k = torch.relu(self.key(xk)).square()

@@ -99,7 +99,7 @@ class TimeMix(nn.Module):
         B, T, C = x.shape
         H, N = self.n_heads, self.args.head_dim
         if piece is not None:
-            xr, xw, xk, xv, xa, xg = norm_shift_mix_cp(x, norm, self.lerp, keep, piece)
+            xr, xw, xk, xv, xa, xg = norm_shift_mix_cp(x, norm, self.lerp, keep, piece, "attn_shift")
         else:
             prev = None if cache is None else cache.attn_x
             xr, xw, xk, xv, xa, xg = norm_shift_mix_cached(x, norm, self.lerp, keep, cu_seqlens, prev)
@@ -119,15 +119,18 @@ class TimeMix(nn.Module):
         # k updated by the rate, the removal key -kk and the replacement kk * a (kk = normalize(k * k_k) per head)
         k, neg_kk, kk_a = (t.view(B, T, H, N) for t in rwkv7_key(k, a_lora, self.a0, self.k_k, self.k_a, N))
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
+        r_k = self.r_k
         if piece is not None:
-            o = chunk_rwkv7_cp(piece, heads(r), heads(z), k, heads(v), neg_kk, kk_a, self.w0, cu_seqlens)
+            o, link = chunk_rwkv7_cp(piece, heads(r), heads(z), k, heads(v), neg_kk, kk_a, self.w0, cu_seqlens)
+            if link is not None:   # the chain's: its backward receives the final state's gradient before the op's
+                r_k = r_k + link
         elif cache is None:
             o, _ = chunk_rwkv7(heads(r), heads(z), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens,
                                w_bias=self.w0)
         else:
             o = self.cached_op(heads(r), heads(z), self.w0, k, heads(v), neg_kk, kk_a, cu_seqlens, cache.state)
         # per-head GroupNorm (ln_x) + the r k bonus, gated
-        o = rwkv7_out(o, heads(r), k, heads(v), self.r_k, self.ln_x.weight, self.ln_x.bias, g, self.ln_x.eps)
+        o = rwkv7_out(o, heads(r), k, heads(v), r_k, self.ln_x.weight, self.ln_x.bias, g, self.ln_x.eps)
         return self.o_proj(o), v_first
 
     def value_and_gate_input(self, xv):
@@ -176,7 +179,7 @@ class ChannelMix(nn.Module):
                 piece: Piece | None = None):
         """x: the residual stream; norm: the block's ffn_norm, applied with the token shift."""
         if piece is not None:
-            return self.value(torch.relu(self.key(norm_shift_mix_cp(x, norm, self.x_k[None], keep, piece)[0])).square())
+            return self.value(torch.relu(self.key(norm_shift_mix_cp(x, norm, self.x_k[None], keep, piece, "ffn_shift")[0])).square())
         h = norm_shift_mix_cached(x, norm, self.x_k[None], keep, cu_seqlens, None if cache is None else cache.ffn_x)[0]
         return self.value(torch.relu(self.key(h)).square())
 

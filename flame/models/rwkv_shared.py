@@ -51,22 +51,24 @@ def norm_shift_mix_cached(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor
 
 
 def norm_shift_mix_cp(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor, keep: torch.Tensor | None,
-                      piece: Piece) -> list[torch.Tensor]:
+                      piece: Piece, kind: str) -> list[torch.Tensor]:
     """norm_shift_mix for one piece of a context-parallel row: each row's first token shifts in the previous rank's
-    last normalized token (where it continues that document). norm_shift_mix's `first` takes no gradient, so the
-    rows start from zero there and first * mix[i] is added after: xn + (first - xn) mix = [xn + (0 - xn) mix] + first
-    mix."""
+    last normalized token (where it continues that document; kind: the transfer's, flame.context_parallel.LINKS).
+    norm_shift_mix's `first` takes no gradient, so the rows start from zero there and first * mix[i] is added after:
+    xn + (first - xn) mix = [xn + (0 - xn) mix] + first mix."""
     outs = norm_shift_mix(x, norm.weight, norm.bias, norm.eps, mix, keep)
-    first = previous_tokens(piece, norm(piece.rows(x)[:, -1:]))[:, 0]
+    first = previous_tokens(piece, norm(piece.rows(x)[:, -1:]), kind, norm.weight)[:, 0]
     for out, m in zip(outs, mix):
         piece.rows(out)[:, 0] += (first * m.float()).to(out.dtype)
     return outs
 
 
-def token_shift_cp(x: torch.Tensor, keep: torch.Tensor | None, piece: Piece) -> torch.Tensor:
-    """token_shift for one piece of a context-parallel row (the previous rank's last token where it continues)."""
+def token_shift_cp(x: torch.Tensor, keep: torch.Tensor | None, piece: Piece, kind: str,
+                   anchor: torch.Tensor) -> torch.Tensor:
+    """token_shift for one piece of a context-parallel row (the previous rank's last token where it continues;
+    kind, anchor: flame.context_parallel.previous_tokens')."""
     shifted = token_shift(x, keep)
-    piece.rows(shifted)[:, 0] += previous_tokens(piece, piece.rows(x)[:, -1:])[:, 0].to(x.dtype)
+    piece.rows(shifted)[:, 0] += previous_tokens(piece, piece.rows(x)[:, -1:], kind, anchor)[:, 0].to(x.dtype)
     return shifted
 
 
