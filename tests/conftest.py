@@ -7,6 +7,10 @@ import torch
 # when it is imported (its own tl.cumsum / tl.sum are decorated then): set the switch before anything imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import triton_interpreter
+
+    triton_interpreter.install()  # the same interpretation at less CPU (the module says how)
 
 
 def pytest_xdist_auto_num_workers(config):
