@@ -20,8 +20,16 @@ CONSTANT_LR = ["--lr_scheduler.decay_type=linear", "--lr_scheduler.min_lr_factor
 
 
 def launch(dump, *overrides, nproc=2, wait=True):
+    """The run through scripts/launch.sh: for what the launcher and torchrun take part in (a signal to the job, the
+    ranks' tagged lines)."""
     return launch_sh("configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT, *overrides, nproc=nproc,
                      wait=wait)
+
+
+def train(dump, *overrides, nproc=2):
+    """The same run as forked ranks (helpers.run_train): the training itself, without the launcher's start-up."""
+    return run_train(REPO / "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT, *overrides,
+                     nproc=nproc)
 
 
 def wait_for(path, proc, timeout=240):
@@ -40,7 +48,7 @@ def last_loss_per_step(dump):
 def straight(tmp_path_factory):
     """The uninterrupted 8-step run on 2 ranks."""
     dump = tmp_path_factory.mktemp("straight") / "run"
-    proc = launch(dump, "--training.steps=8", "--checkpoint.interval=4")
+    proc = train(dump, "--training.steps=8", "--checkpoint.interval=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dump
 
@@ -61,7 +69,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path, straight):
     shutil.copytree(dump / "checkpoint" / "step-4", partial)
     (partial / ".metadata").unlink()
 
-    resumed = launch(dump, "--training.steps=8", "--checkpoint.interval=4")
+    resumed = train(dump, "--training.steps=8", "--checkpoint.interval=4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 4" in resumed.stdout and "removed step-6.tmp" in resumed.stdout
     assert not partial.exists()
@@ -89,8 +97,7 @@ def test_text_checkpoint_on_other_rank_count_stops_with_advice(tmp_path, straigh
     assert (dump / ".lock").read_text() == ""
 
     # restarting the data streams on 1 rank halves the global batch: said with the other changes applied
-    proc = run_train(REPO / "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *TEXT, "--training.steps=9",
-                     "--checkpoint.data_state=restart")
+    proc = train(dump, "--training.steps=9", "--checkpoint.data_state=restart", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "took over the lock" not in proc.stdout
     assert "global batch changed since step 8 (applied): 4 sequences in the checkpoint (2 x 2 x 1 ranks x " \
@@ -111,7 +118,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     (saved,) = [int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir()]
     assert saved == read_metrics(dump)[-1]["step"] < 1000
 
-    resumed = launch(dump, f"--training.steps={saved + 2}", *CONSTANT_LR)
+    resumed = train(dump, f"--training.steps={saved + 2}", *CONSTANT_LR)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {saved}" in resumed.stdout
     assert [r["step"] for r in read_metrics(dump)][-2:] == [saved + 1, saved + 2]
