@@ -141,8 +141,9 @@ def prepare_blocks(model: nn.Module, activation_checkpoint: str, compile: bool) 
 
 
 def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
-                compile: bool) -> nn.Module:
-    """Checkpoint and compile (prepare_blocks), then shard each block of `model.layers`, then the root.
+                compile: bool, fsdp_wrap: str = "blocks") -> nn.Module:
+    """Checkpoint and compile (prepare_blocks), then shard each block of `model.layers` (fsdp_wrap "blocks"; "model":
+    the root alone, parallelism.fsdp_wrap), then the root.
 
     Gradients are reduced as a SUM: the loss is already divided by the global token count, so FSDP's own
     averaging over ranks would divide a second time.
@@ -157,7 +158,7 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
     # parameter: keeping them spares the backward a second cast and copy of every parameter (thousands of small
     # kernels a step at 0.6B). Over several shards, resharding is what saves the memory.
     reshard = d.mesh["dp_shard_cp"].size() > 1
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers if fsdp_wrap == "blocks" else []):
         # the last block's parameters are needed again right away by backward: keep them gathered
         fully_shard(block, mesh=d.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < n - 1)
     fully_shard(model, mesh=d.fsdp_mesh, mp_policy=mp)

@@ -134,7 +134,8 @@ class Trainer:
             enable_context_parallel(model, self.cp)  # each rank runs its piece of every row
         self.model = parallelize(model, self.d, param_dtype=t.mixed_precision_param,
                                  reduce_dtype=t.mixed_precision_reduce,
-                                 activation_checkpoint=t.activation_checkpoint, compile=t.compile)
+                                 activation_checkpoint=t.activation_checkpoint, compile=t.compile,
+                                 fsdp_wrap=self.cfg.parallelism.fsdp_wrap)
 
     def build_optimizer_and_data(self) -> None:
         """Optimizer, learning-rate schedule and the training data, whose tokenizer must fit model.vocab_size."""
