@@ -3,18 +3,18 @@ exported files get the mode the umask gives every other file of the run folder (
 
 from __future__ import annotations
 
-import os
 import stat
 import subprocess
 import sys
 
-from tests.helpers import REPO, env, write_config
+from tests.helpers import REPO, env, run_script, write_config
 
 UMASK = 0o027  # group may read, others nothing: a shared project folder's usual setting
 
-
-def with_umask():
-    os.umask(UMASK)
+# `python -m flame.train ARGS` / `python -m flame.export ARGS` under the umask, as processes forked from one that has
+# imported flame (helpers.run_script): main() is what the module runs as __main__
+TRAIN = f"import os, sys; os.umask({UMASK}); from flame.train import main; main(sys.argv[1:])"
+EXPORT = f"import os; os.umask({UMASK}); from flame.export import main; main()"
 
 
 def mode(path) -> int:
@@ -22,12 +22,13 @@ def mode(path) -> int:
 
 
 def flame_export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flame.export", *args], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=120, preexec_fn=with_umask)
+    return run_script(EXPORT, *args, timeout=120)
 
 
 def test_help_explains_every_argument():
-    proc = flame_export("--help")
+    # the module's command line itself, in a fresh process
+    proc = subprocess.run([sys.executable, "-m", "flame.export", "--help"], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     for words in ("RUN_DIR", "OUT_DIR", "--step N", "newest complete checkpoint", "must not exist",
@@ -37,9 +38,7 @@ def test_help_explains_every_argument():
 
 def test_export_prints_its_step_and_files_follow_the_umask(tmp_path):
     path, dump = write_config(tmp_path)
-    train = subprocess.run([sys.executable, "-m", "flame.train", "--config", str(path), "--training.steps=2",
-                            "--checkpoint.interval=1"], cwd=REPO, env=env(), capture_output=True, text=True,
-                           timeout=300, preexec_fn=with_umask)
+    train = run_script(TRAIN, "--config", str(path), "--training.steps=2", "--checkpoint.interval=1")
     assert train.returncode == 0, train.stderr[-3000:]
     run_files = [dump / "metrics.jsonl", dump / "config.toml"]
     assert {mode(p) for p in run_files} == {0o666 & ~UMASK}   # what the umask gives the run's own files
