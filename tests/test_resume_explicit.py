@@ -105,17 +105,14 @@ def test_text_data_layout_keys_need_data_state_restart():
 
 
 def test_text_run_resumes_with_a_new_seq_len_under_data_state_restart(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO, env
+    from tests.helpers import REPO, SMALL_VOCAB
 
     dump = tmp_path / "text"
-    args = [sys.executable, "-m", "flame.train", "--config", "configs/transformer_tiny.toml",
-            f"--job.dump_folder={dump}", "--validation.enable=false", "--data.num_workers=0", "--metrics.log_freq=1"]
+    args = [f"--job.dump_folder={dump}", *SMALL_VOCAB, "--validation.enable=false", "--data.num_workers=0",
+            "--metrics.log_freq=1"]
 
     def run(*extra):
-        return subprocess.run([*args, *extra], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+        return run_train(REPO / "configs/transformer_tiny.toml", *args, *extra)
 
     assert run("--training.steps=2", "--training.seq_len=64").returncode == 0
     proc = run("--training.steps=3", "--training.seq_len=32", "--checkpoint.data_state=restart")
