@@ -229,7 +229,7 @@ def test_job_killed_during_async_saves_resumes_from_the_newest_complete_checkpoi
     after each, every folder named as a complete checkpoint loads and the next launch resumes from the newest; at the
     end the run's losses equal an uninterrupted run's, step for step."""
     path, dump = write_config(tmp_path)
-    steps = 100
+    steps = 60
     args = ["--config", str(path), *CONSTANT_LR, f"--training.steps={steps}", "--checkpoint.interval=1",
             "--checkpoint.keep_latest_k=2", "--checkpoint.async_mode=async"]
     forks = Forks(tmp_path)
