@@ -1,5 +1,6 @@
 """scripts/launch.sh runs the tiny default config for real: 2 CPU processes under torchrun/gloo on the bundled
-sample text, metrics, eval, checkpoints and per-rank logs in the run folder."""
+sample text (at the sample tokenizer's 512 tokens: the 50k head adds nothing the launcher does), metrics, eval,
+checkpoints and per-rank logs in the run folder."""
 
 import math
 import subprocess
@@ -14,7 +15,7 @@ def test_launch_two_cpu_processes(tmp_path):
     proc = subprocess.run(
         ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", "--training.steps", "4",
          f"--job.dump_folder={dump}", "--metrics.log_freq=2", "--checkpoint.interval=2",
-         "--training.seq_len=64", "--lr_scheduler.warmup_steps=1"],
+         "--training.seq_len=64", "--lr_scheduler.warmup_steps=1", *SMALL_VOCAB],
         cwd=REPO, env=dict(env(), NPROC="2"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = read_metrics(dump)
