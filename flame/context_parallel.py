@@ -98,7 +98,8 @@ def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
         if name not in CONTEXT_PARALLEL_MODELS:
             raise ValueError(f"context parallel supports {', '.join(CONTEXT_PARALLEL_MODELS)}, not model {name!r}")
         if cp.links is not None and name not in CHAIN_MODELS:
-            raise ValueError(f"context parallel exchange 'chain' supports {', '.join(CHAIN_MODELS)}, not model {name!r}")
+            raise ValueError(f"context parallel exchange 'chain' supports {', '.join(CHAIN_MODELS)}, "
+                             f"not model {name!r}")
         if dist.get_world_size(cp.group) != cp.size or dist.get_rank(cp.group) != cp.rank:
             raise ValueError(f"context parallel: rank {cp.rank} of {cp.size} does not match the process group's "
                              f"rank {dist.get_rank(cp.group)} of {dist.get_world_size(cp.group)}")

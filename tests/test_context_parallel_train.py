@@ -140,7 +140,8 @@ def test_rwkv7_chain_repeats_one_process(tmp_path, tokenizer):
               "--metrics.log_freq=1", "--validation.enable=false"]
     one = run_train(RWKV7, f"--job.dump_folder={tmp_path / 'one'}", *common)
     assert one.returncode == 0, one.stderr[-3000:]
-    chain = run_train(RWKV7, f"--job.dump_folder={tmp_path / 'chain'}", *common, "--parallelism.context_parallel_degree=2",
-                      "--parallelism.context_parallel_exchange=chain", "--parallelism.fsdp_wrap=model", nproc=2)
+    chain = run_train(RWKV7, f"--job.dump_folder={tmp_path / 'chain'}", *common,
+                      "--parallelism.context_parallel_degree=2", "--parallelism.context_parallel_exchange=chain",
+                      "--parallelism.fsdp_wrap=model", nproc=2)
     assert chain.returncode == 0, chain.stderr[-3000:]
     assert_close(by_step(tmp_path / "chain"), by_step(tmp_path / "one"), range(1, 7))

@@ -53,14 +53,16 @@ def norm_shift_mix_cached(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor
 def norm_shift_mix_cp(x: torch.Tensor, norm: nn.LayerNorm, mix: torch.Tensor, keep: torch.Tensor | None,
                       piece: Piece, kind: str) -> list[torch.Tensor]:
     """norm_shift_mix for one piece of a context-parallel row: each row's first token shifts in the previous rank's
-    last normalized token (where it continues that document; kind: the transfer's, flame.context_parallel.LINKS).
-    norm_shift_mix's `first` takes no gradient, so the rows start from zero there and first * mix[i] is added after:
-    xn + (first - xn) mix = [xn + (0 - xn) mix] + first mix."""
-    outs = norm_shift_mix(x, norm.weight, norm.bias, norm.eps, mix, keep)
+    last normalized token (where it continues that document; kind: the transfer's, flame.context_parallel.LINKS) as
+    the op's `first`, which takes its gradient. The op runs over the piece's B rows (one packed row of B * T tokens
+    too), with each row's own keep and every row's first token kept: `first` is zero where the row does not
+    continue."""
     first = previous_tokens(piece, norm(piece.rows(x)[:, -1:]), kind, norm.weight)[:, 0]
-    for out, m in zip(outs, mix):
-        piece.rows(out)[:, 0] += (first * m.float()).to(out.dtype)
-    return outs
+    if keep is not None:
+        keep = keep.reshape(piece.B, piece.T)
+        keep = torch.cat([torch.ones_like(keep[:, :1]), keep[:, 1:]], 1)
+    outs = norm_shift_mix(piece.rows(x), norm.weight, norm.bias, norm.eps, mix, keep, first)
+    return [out.reshape(x.shape) for out in outs]
 
 
 def token_shift_cp(x: torch.Tensor, keep: torch.Tensor | None, piece: Piece, kind: str,

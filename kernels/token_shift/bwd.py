@@ -17,9 +17,9 @@ from kernels.token_shift.fwd import pick, previous
 
 
 @triton.jit
-def _shift_mix_bwd(x, weight, bias, mix, keep, first, stats, g0, g1, g2, g3, g4, g5, gw, row_part, param_part, B, T,
-                   C, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, TILES: tl.constexpr,
-                   HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
+def _shift_mix_bwd(x, weight, bias, mix, keep, keep_stride, first, stats, g0, g1, g2, g3, g4, g5, gw, row_part,
+                   param_part, B, T, C, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   TILES: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = i_c * BC + tl.arange(0, BC)
     m_c = c < C
@@ -40,11 +40,11 @@ def _shift_mix_bwd(x, weight, bias, mix, keep, first, stats, g0, g1, g2, g3, g4,
         b_xh = (tl.load(x + offs, mask=m, other=0.).to(tl.float32) - mean) * rstd
         b_xn = b_xh * b_w + b_b
         b_pn = ((tl.load(x + offs - C, mask=m_p, other=0.).to(tl.float32) - mean_p) * rstd_p) * b_w + b_b
-        d = previous(b_pn, t, c, i_b, keep, first, T, C, HAS_KEEP, HAS_FIRST) - b_xn
+        d = previous(b_pn, t, c, i_b, keep, keep_stride, first, T, C, HAS_KEEP, HAS_FIRST) - b_xn
         # xn[t] is xn_prev of token t + 1 unless t + 1 starts a document (or is past the row)
         m_n = m & (t + 1 < T)[:, None]
         if HAS_KEEP:
-            b_kn = tl.load(keep + t + 1, mask=t + 1 < T, other=0.)
+            b_kn = tl.load(keep + i_b * keep_stride + t + 1, mask=t + 1 < T, other=0.)
             m_n = m_n & (b_kn != 0)[:, None]
         b_dxn = tl.zeros([BT, BC], dtype=tl.float32)
         for i in tl.static_range(N):

@@ -33,14 +33,15 @@ def row_vector(v, t, c, m):
 
 
 @triton.jit
-def previous(b_p, t, c, i_b, keep, first, T, C, HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
-    """xn_prev from the normalized tile one token earlier: first (or zero) at t = 0, zero at document starts."""
+def previous(b_p, t, c, i_b, keep, keep_stride, first, T, C, HAS_KEEP: tl.constexpr, HAS_FIRST: tl.constexpr):
+    """xn_prev from the normalized tile one token earlier: first (or zero) at t = 0, zero at document starts (keep of
+    row i_b at keep + i_b * keep_stride: 0 when every row shares it)."""
     b_p = tl.where((t > 0)[:, None], b_p, 0.)
     if HAS_FIRST:
         b_f = tl.load(first + i_b * C + c, mask=c < C, other=0.).to(tl.float32)
         b_p = tl.where((t == 0)[:, None], b_f[None, :], b_p)
     if HAS_KEEP:
-        b_k = tl.load(keep + t, mask=t < T, other=1.)
+        b_k = tl.load(keep + i_b * keep_stride + t, mask=t < T, other=1.)
         b_p = tl.where((b_k != 0)[:, None], b_p, 0.)
     return b_p
 
@@ -56,7 +57,7 @@ def layer_norm_rows(x, offs, m, C, eps, b_w, b_b):
 
 
 @triton.jit
-def _norm_shift_mix_fwd(x, weight, bias, mix, keep, first, stats, o0, o1, o2, o3, o4, o5, B, T, C, eps,
+def _norm_shift_mix_fwd(x, weight, bias, mix, keep, keep_stride, first, stats, o0, o1, o2, o3, o4, o5, B, T, C, eps,
                         N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_KEEP: tl.constexpr,
                         HAS_FIRST: tl.constexpr):
     i_t, i_b = tl.program_id(0), tl.program_id(1)
@@ -67,7 +68,7 @@ def _norm_shift_mix_fwd(x, weight, bias, mix, keep, first, stats, o0, o1, o2, o3
     b_w, b_b = row_vector(weight, t, c, m), row_vector(bias, t, c, m)
     b_xn, mean, rstd = layer_norm_rows(x, offs, m, C, eps, b_w, b_b)
     b_pn, _, _ = layer_norm_rows(x, offs - C, m & (t > 0)[:, None], C, eps, b_w, b_b)
-    d = previous(b_pn, t, c, i_b, keep, first, T, C, HAS_KEEP, HAS_FIRST) - b_xn
+    d = previous(b_pn, t, c, i_b, keep, keep_stride, first, T, C, HAS_KEEP, HAS_FIRST) - b_xn
     for i in tl.static_range(N):
         b_m = row_vector(mix + i * C, t, c, m)
         tl.store(pick(i, o0, o1, o2, o3, o4, o5) + offs, (b_xn + d * b_m).to(o0.dtype.element_ty), mask=m)

@@ -31,14 +31,19 @@ def previous_tokens(xn: torch.Tensor, keep: torch.Tensor | None, first: torch.Te
     if first is not None:
         prev[:, 0] = first.to(prev.dtype)
     if keep is not None:
-        prev = prev * (keep.reshape(-1, 1) != 0)
+        prev = prev * (keep_rows(keep, xn.shape[1]) != 0)
     return prev
+
+
+def keep_rows(keep: torch.Tensor, T: int) -> torch.Tensor:
+    """keep [T] / [T, 1] (every row) or [B, T] (each row its own) as [1 or B, T, 1]."""
+    return keep.reshape(-1, T, 1)
 
 
 def naive_norm_shift_mix(x, weight, bias, eps, mix, keep=None, first=None) -> list[torch.Tensor]:
     """The n outputs [B, T, C] in x's dtype, then the row stats [2, B, T] (fp32 or fp64), from x [B, T, C], the
-    LayerNorm's weight and bias [C] and eps, mix [n, C], keep [T] / [T, 1] or None, first [B, C] (already normalized)
-    or None."""
+    LayerNorm's weight and bias [C] and eps, mix [n, C], keep [T] / [T, 1] / [B, T] or None, first [B, C] (already
+    normalized) or None."""
     stats = row_stats(x, eps)
     xn = normalized(x, stats) * wide(weight) + wide(bias)
     d = previous_tokens(xn, keep, first) - xn
@@ -54,7 +59,7 @@ def naive_norm_shift_mix_bwd(grads, x, weight, bias, mix, stats, keep=None, firs
     through_prev = (gf * m).sum(0)                      # what xn_prev[t] passes on to xn[t - 1]
     from_next = F.pad(through_prev, (0, 0, -1, 1))      # through_prev[t + 1], zero at the last token
     if keep is not None:
-        from_next = from_next * (F.pad(keep.reshape(-1), (-1, 1)) != 0)[:, None]
+        from_next = from_next * (F.pad(keep_rows(keep, x.shape[1])[..., 0], (-1, 1)) != 0)[..., None]
     dxn = gf.sum(0) - through_prev + from_next
     # LayerNorm's backward: the gradient of xh, less its projections on the constant and on xh
     gw = dxn * wide(weight)

@@ -7,8 +7,9 @@ x [B, T, C]; weight, bias [C] and eps: the LayerNorm's; mix [n, C] (1 <= n <= 6)
 in x's dtype (separate tensors, so that their n grads reach the backward without being stacked into one),
 outs[i] = xn + (xn_prev - xn) * mix[i] computed in fp32 from xn = LayerNorm(x) * weight + bias (never rounded),
 where xn_prev is xn shifted by one token: `first` [B, C] (an already normalized token; zero if None) at t = 0, and zero
-where keep [T] (or [T, 1]) is 0, the starts of packed documents. Gradients flow to x, weight, bias and mix (their sums
-over tokens in fp32), never to keep or first (first is the cached token of an inference pass). One custom op,
+where keep is 0, the starts of packed documents (keep [T] or [T, 1]: the same for every row; [B, T]: each row's own).
+Gradients flow to x, weight, bias and mix (their sums over tokens in fp32) and first (the cached token of an inference
+pass, or the previous rank's last token in context parallelism), never to keep. One custom op,
 flame::norm_shift_mix (backward flame::norm_shift_mix_bwd): CUDA tensors take the Triton kernels, CPU tensors the
 PyTorch path; backend="triton" forces the kernels (tests run them on CPU under TRITON_INTERPRET=1), "torch" the
 PyTorch path.
@@ -64,6 +65,11 @@ def _six(tensors: list) -> list:
     return list(tensors) + [None] * (MAX_MIXES - len(tensors))
 
 
+def _keep_stride(keep, T: int) -> int:
+    """Elements between two rows' keep: T for a keep per row, 0 for one keep that every row shares."""
+    return T if keep is not None and keep.numel() > T else 0
+
+
 def _fwd(x, weight, bias, eps, mix, keep, first, s: Settings):
     from kernels.token_shift.fwd import _norm_shift_mix_fwd
 
@@ -71,7 +77,8 @@ def _fwd(x, weight, bias, eps, mix, keep, first, s: Settings):
     n = mix.shape[0]
     outs = [torch.empty_like(x) for _ in range(n)]
     stats = torch.empty(2, B, T, device=x.device, dtype=torch.float32)
-    launch(_norm_shift_mix_fwd, (triton.cdiv(T, s.fwd_bt), B), x, weight, bias, mix, keep, first, stats, *_six(outs),
+    launch(_norm_shift_mix_fwd, (triton.cdiv(T, s.fwd_bt), B), x, weight, bias, mix, keep, _keep_stride(keep, T),
+           first, stats, *_six(outs),
            B, T, C, eps, N=n, BT=s.fwd_bt, BC=next_pow2(C), HAS_KEEP=keep is not None, HAS_FIRST=first is not None,
            num_warps=s.fwd_warps)
     return outs + [stats]
@@ -89,9 +96,9 @@ def _bwd(grads, x, weight, bias, mix, stats, keep, first, s: Settings):
     dx = torch.empty_like(x)     # dxn * weight, then dx in place
     row_part = torch.empty(B, T, n_c, 2, device=x.device, dtype=torch.float32)   # each channel tile's two row sums
     param_part = torch.empty(B * programs_t, n + 2, C, device=x.device, dtype=torch.float32)
-    launch(_shift_mix_bwd, (programs_t, n_c, B), x, weight, bias, mix, keep, first, stats, *_six(grads), dx, row_part,
-           param_part, B, T, C, N=n, NP=next_pow2(n + 2), BT=BT, BC=BC, TILES=tiles, HAS_KEEP=keep is not None,
-           HAS_FIRST=first is not None, num_warps=s.bwd_warps)
+    launch(_shift_mix_bwd, (programs_t, n_c, B), x, weight, bias, mix, keep, _keep_stride(keep, T), first, stats,
+           *_six(grads), dx, row_part, param_part, B, T, C, N=n, NP=next_pow2(n + 2), BT=BT, BC=BC, TILES=tiles,
+           HAS_KEEP=keep is not None, HAS_FIRST=first is not None, num_warps=s.bwd_warps)
     launch(_norm_bwd, (triton.cdiv(T, s.norm_bt), n_c, B), x, stats, dx, row_part, B, T, C, NC=n_c,
            NCP=next_pow2(n_c), BT=s.norm_bt, BC=BC, num_warps=s.norm_warps)
     params = param_part.sum(0)    # copies below: the op's outputs may not be views of one tensor
@@ -144,7 +151,13 @@ def _backward(ctx, grads):
     grads = [torch.zeros_like(x) if g is None else g.contiguous() for g in grads[:-1]]
     dx, dweight, dbias, dmix = torch.ops.flame.norm_shift_mix_bwd(grads, x, weight, bias, mix, stats, keep, first,
                                                                   ctx.backend, ctx.settings)
-    return dx, dweight, dbias, None, dmix, None, None, None, None
+    dfirst = None
+    if first is not None:   # first[b] is xn_prev at t = 0 of row b: out_i = ... + first mix_i there (keep allowing)
+        dfirst = (torch.stack([g[:, 0] for g in grads]).float() * mix.float()[:, None]).sum(0)
+        if keep is not None:
+            dfirst = dfirst * (keep.reshape(-1, x.shape[1])[:, :1] != 0)
+        dfirst = dfirst.to(first.dtype)
+    return dx, dweight, dbias, None, dmix, None, dfirst, None, None
 
 
 _norm_shift_mix_op.register_autograd(_backward, setup_context=_setup_context)
@@ -163,16 +176,13 @@ def norm_shift_mix(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
         raise ValueError(f"norm_shift_mix: mix must be [n, C] with C = {C} and 1 <= n <= {MAX_MIXES}, "
                          f"got shape {tuple(mix.shape)}")
     if keep is not None:
-        if keep.numel() != T:
-            raise ValueError(f"norm_shift_mix: keep must be [T] or [T, 1] with T = {T}, got shape "
+        if keep.numel() not in (T, B * T):
+            raise ValueError(f"norm_shift_mix: keep must be [T], [T, 1] or [B, T] with B, T = {B}, {T}, got shape "
                              f"{tuple(keep.shape)}")
-        keep = keep.reshape(T).contiguous()
+        keep = keep.reshape(-1).contiguous()
     if first is not None:
         if tuple(first.shape) != (B, C):
             raise ValueError(f"norm_shift_mix: first must be [B, C] = [{B}, {C}], got shape {tuple(first.shape)}")
-        if first.requires_grad:
-            raise ValueError("norm_shift_mix: first (the cached previous token) gets no gradient; pass first.detach() "
-                             "(norm_shift_mix with first is for inference)")
         first = first.contiguous()
     outs = _norm_shift_mix_op(x.contiguous(), weight.contiguous(), bias.contiguous(), float(eps), mix.contiguous(),
                               keep, first, backend, (settings or Settings()).encode())

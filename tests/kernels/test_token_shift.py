@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernels.token_shift import Settings, norm_shift_mix
 from tests.kernels import common
 
-NAMES = ("out", "dx", "dweight", "dbias", "dmix")
+NAMES = ("out", "dx", "dweight", "dbias", "dmix", "dfirst")
 EPS = 1e-5
 # forward programs of 4 rows; backward tiles of 8 tokens, 2 tiles a program, and 64 channels (C = 80: two channel
 # tiles, whose row sums the LayerNorm's backward adds); T = 37 and C = 80 end mid-tile
@@ -33,49 +33,56 @@ def make_inputs(B, T, C, n, dtype, *, keep_starts=None, with_first=False, device
     bias = (0.3 * torch.randn(C, generator=gen)).to(device=device, dtype=dtype)
     mix = torch.rand(n, C, generator=gen).to(device)
     keep = None
-    if keep_starts is not None:
-        keep = torch.ones(T, 1)
-        keep[list(keep_starts)] = 0
-        keep = keep.to(device=device, dtype=dtype)
+    if keep_starts is not None:   # a tuple: one keep [T, 1] for every row; a list of tuples: each row's own [B, T]
+        rows = keep_starts if isinstance(keep_starts, list) else [keep_starts]
+        keep = torch.ones(len(rows), T)
+        for row, starts in zip(keep, rows):
+            row[list(starts)] = 0
+        keep = (keep if isinstance(keep_starts, list) else keep.reshape(T, 1)).to(device=device, dtype=dtype)
     first = torch.randn(B, C, generator=gen).to(device=device, dtype=dtype) if with_first else None
     g = torch.randn(n, B, T, C, generator=gen).to(device=device, dtype=dtype)
     return x, weight, bias, mix, keep, first, g
 
 
 def reference(x, weight, bias, mix, keep, first, g):
-    """fp64: xn = layer_norm(x), xn_prev token by token, out = xn + (xn_prev - xn) mix_i, every gradient by autograd
-    of sum(g * out)."""
+    """fp64: xn = layer_norm(x), xn_prev token by token, out = xn + (xn_prev - xn) mix_i, every gradient (first's
+    too) by autograd of sum(g * out)."""
     x, weight, bias, mix = (t.detach().double().requires_grad_(True) for t in (x, weight, bias, mix))
     B, T, C = x.shape
+    first = None if first is None else first.detach().double().requires_grad_(True)
     xn = F.layer_norm(x, (C,), weight, bias, EPS)
-    prev = [torch.zeros(B, C, dtype=torch.float64) if first is None else first.double()]
+    prev = [torch.zeros(B, C, dtype=torch.float64) if first is None else first]
     prev += [xn[:, t - 1] for t in range(1, T)]
-    if keep is not None:
-        prev = [p if keep.reshape(-1)[t] != 0 else torch.zeros_like(p) for t, p in enumerate(prev)]
+    if keep is not None:   # [T, 1]: every row's; [B, T]: each row's own
+        rows = keep.reshape(-1, T).double()
+        prev = [p * (rows[:, t, None] != 0) for t, p in enumerate(prev)]
     xn_prev = torch.stack(prev, dim=1)
     out = torch.stack([xn + (xn_prev - xn) * mix[i] for i in range(mix.shape[0])])
     (out * g.double()).sum().backward()
-    return out.detach(), x.grad, weight.grad, bias.grad, mix.grad
+    return out.detach(), x.grad, weight.grad, bias.grad, mix.grad, None if first is None else first.grad
 
 
 def ours(x, weight, bias, mix, keep, first, g, **kw):
-    """(the n outputs stacked, dx, dweight, dbias, dmix)."""
+    """(the n outputs stacked, dx, dweight, dbias, dmix, dfirst or None)."""
     x, weight, bias, mix = (t.detach().clone().requires_grad_(True) for t in (x, weight, bias, mix))
+    first = None if first is None else first.detach().clone().requires_grad_(True)
     outs = norm_shift_mix(x, weight, bias, EPS, mix, keep, first, **kw)
     assert len(outs) == mix.shape[0] and all(o.shape == x.shape for o in outs)
     torch.autograd.backward(outs, list(g.unbind(0)))
-    return torch.stack(outs).detach(), x.grad, weight.grad, bias.grad, mix.grad
+    return torch.stack(outs).detach(), x.grad, weight.grad, bias.grad, mix.grad, None if first is None else first.grad
 
 
 # bf16: out, dweight and dbias are rounded once to bf16 (relative 2^-9), dx twice (dxn * weight, then dx); dmix sums
-# fp32 products over tokens
-TOL = {torch.float32: (1e-6, 1e-6, 1e-6, 1e-6, 1e-6), torch.bfloat16: (4e-3, 8e-3, 4e-3, 4e-3, 1e-5)}
+# fp32 products over tokens; dfirst sums n bf16 grads times mix in fp32, rounded once
+TOL = {torch.float32: (1e-6,) * 6, torch.bfloat16: (4e-3, 8e-3, 4e-3, 4e-3, 1e-5, 4e-3)}
 
 
-# each n and dtype once with rows and once with packed documents; `first` with and without both
+# each n and dtype once with rows and once with packed documents; `first` with and without both; a keep per row (a
+# context-parallel piece's rows of packed documents), with row 0 starting a document and row 1 continuing `first`
 CASES = [(6, torch.float32, 2, None, True), (1, torch.float32, 1, STARTS, False),
          (6, torch.bfloat16, 1, STARTS[1:], True), (1, torch.bfloat16, 2, None, False),
-         (6, torch.bfloat16, 1, STARTS, False), (2, torch.float32, 2, STARTS, True)]
+         (6, torch.bfloat16, 1, STARTS, False), (2, torch.float32, 2, STARTS, True),
+         (6, torch.float32, 2, [STARTS, (9, 30)], True), (2, torch.bfloat16, 2, [(0, 9), STARTS[1:]], True)]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -86,7 +93,7 @@ def test_matches_fp64_reference(backend, n, dtype, B, keep_starts, with_first):
     xs = make_inputs(B, 37, 80, n, dtype, keep_starts=keep_starts, with_first=with_first)
     got = ours(*xs, backend=backend, settings=SMALL)
     assert got[0].dtype == dtype and got[1].dtype == dtype and got[4].dtype == torch.float32
-    assert got[2].dtype == dtype and got[3].dtype == dtype
+    assert got[2].dtype == dtype and got[3].dtype == dtype and (got[5] is None or got[5].dtype == dtype)
     ref = reference(*xs)
     for name, a, b, tol in zip(NAMES, got, ref, TOL[dtype]):
         common.assert_close([a], [b], tol, f"{backend} {dtype} n={n} B={B}", [name])
@@ -112,15 +119,16 @@ def test_gradients_are_the_directional_derivatives_of_the_kernel_output():
                                                        with_first=True)
     gen = torch.Generator().manual_seed(3)
     u = torch.randn(x.shape, generator=gen)
-    vw, vb, vm = (torch.randn(t.shape, generator=gen) * 1e-2 for t in (weight, bias, mix))
+    vw, vb, vm, vf = (torch.randn(t.shape, generator=gen) * 1e-2 for t in (weight, bias, mix, first))
 
-    def inner(a, w, b, m):
-        outs = norm_shift_mix(a, w, b, EPS, m, keep, first, backend="triton", settings=SMALL)
+    def inner(a, w, b, m, f=first):
+        outs = norm_shift_mix(a, w, b, EPS, m, keep, f, backend="triton", settings=SMALL)
         return (torch.stack(outs).double() * g.double()).sum().item()
 
-    _, dx, dw, db, dmix = ours(x, weight, bias, mix, keep, first, g, backend="triton", settings=SMALL)
-    params = inner(x, weight + vw, bias + vb, mix + vm) - inner(x, weight - vw, bias - vb, mix - vm)
-    expected = 2 * sum((d.double() * v).sum().item() for d, v in ((dw, vw), (db, vb), (dmix, vm)))
+    _, dx, dw, db, dmix, dfirst = ours(x, weight, bias, mix, keep, first, g, backend="triton", settings=SMALL)
+    params = inner(x, weight + vw, bias + vb, mix + vm, first + vf) - inner(x, weight - vw, bias - vb, mix - vm,
+                                                                             first - vf)
+    expected = 2 * sum((d.double() * v).sum().item() for d, v in ((dw, vw), (db, vb), (dmix, vm), (dfirst, vf)))
     assert params == pytest.approx(expected, rel=1e-4)
     h = 1e-2
     assert (inner(x + h * u, weight, bias, mix) - inner(x - h * u, weight, bias, mix)) / (2 * h) == pytest.approx(
@@ -130,8 +138,8 @@ def test_gradients_are_the_directional_derivatives_of_the_kernel_output():
 def test_torch_path_passes_gradcheck():
     x, weight, bias, mix, keep, _, _ = make_inputs(1, 9, 5, 3, torch.float64, keep_starts=(0, 4))
     first = torch.randn(1, 5, dtype=torch.float64)
-    fn = lambda a, w, b, m: tuple(norm_shift_mix(a, w, b, EPS, m, keep, first, backend="torch"))  # noqa: E731
-    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_(True) for t in (x, weight, bias, mix.double())))
+    fn = lambda a, w, b, m, f: tuple(norm_shift_mix(a, w, b, EPS, m, keep, f, backend="torch"))  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_(True) for t in (x, weight, bias, mix.double(), first)))
 
 
 def test_outputs_without_grads():
@@ -176,13 +184,11 @@ def test_compiles_without_graph_break():
 
 def test_bad_inputs_are_named():
     x, w, b = torch.randn(2, 5, 8), torch.ones(8), torch.zeros(8)
-    with pytest.raises(ValueError, match="first .* no gradient"):
-        norm_shift_mix(x, w, b, EPS, torch.rand(6, 8), first=torch.zeros(2, 8, requires_grad=True))
     with pytest.raises(ValueError, match="mix must be"):
         norm_shift_mix(x, w, b, EPS, torch.rand(6, 7))
     with pytest.raises(ValueError, match="mix must be"):
         norm_shift_mix(x, w, b, EPS, torch.rand(7, 8))
-    with pytest.raises(ValueError, match="keep must be"):
+    with pytest.raises(ValueError, match=r"keep must be \[T\], \[T, 1\] or \[B, T\] with B, T = 2, 5, got shape \(4,\)"):
         norm_shift_mix(x, w, b, EPS, torch.rand(1, 8), keep=torch.ones(4))
     with pytest.raises(ValueError, match="first must be"):
         norm_shift_mix(x, w, b, EPS, torch.rand(1, 8), first=torch.zeros(1, 8))
@@ -200,6 +206,6 @@ def test_gpu_bf16_at_model_width(n, packed):
     xs = make_inputs(B, T, C, n, torch.bfloat16, keep_starts=starts, with_first=not packed, device="cuda")
     got = ours(*xs, backend="triton")
     ref = ours(*xs, backend="torch")
-    for name, a, b, tol in zip(NAMES, got, ref, (1e-2, 1e-2, 1e-5, 1e-5, 1e-5)):
+    for name, a, b, tol in zip(NAMES, got, ref, (1e-2, 1e-2, 1e-5, 1e-5, 1e-5, 1e-5)):
         # out and dx may differ by one bf16 rounding where fp32 operation order differs
         common.assert_close([a], [b], tol, f"gpu n={n} packed={packed}", [name])
