@@ -26,8 +26,6 @@ from kernels.limits import CHUNK_MULTIPLE
 
 CONTEXT_PARALLEL_MODELS = ("rwkv7", "rwkv6", "gsa")
 """The models whose layers run as pieces of a sequence (flame/context_parallel.py)."""
-CHAIN_MODELS = ("rwkv7", "rwkv6")
-"""The models whose layers can exchange through the send/recv chain (parallelism.context_parallel_exchange)."""
 
 
 # ----------------------------------------------------------------------------------------------------------- sections
@@ -151,8 +149,8 @@ class ParallelismConfig:
     training.seq_len must be a multiple of this x 64."""
     context_parallel_exchange: Literal["gather", "chain"] = "gather"
     """How the pieces of a row exchange what crosses their boundaries (docs/context_parallel.md). gather: every rank
-    computes its piece's transition beside its outputs and all-gathers states and tokens (every model). chain (RWKV-7,
-    RWKV-6): rank r waits for rank r - 1's state of each layer and sends its own on, computing nothing twice."""
+    computes its piece's transition beside its outputs and all-gathers states and tokens. chain: rank r waits for rank
+    r - 1's state of each layer and sends its own on, computing nothing twice."""
     fsdp_wrap: Literal["blocks", "model"] = "blocks"
     """FSDP's units. blocks: each block its own (its parameters gathered just before it runs, its gradients reduced
     as soon as they exist: communication overlaps the step); model: one unit, one all-gather before the forward and
@@ -291,10 +289,6 @@ class Config:
             check(self.model.name in CONTEXT_PARALLEL_MODELS, "parallelism.context_parallel_degree",
                   f"1 with model.name = {self.model.name!r}: context parallelism needs a recurrent model "
                   f"({', '.join(CONTEXT_PARALLEL_MODELS)})", cp)
-            if self.parallelism.context_parallel_exchange == "chain":
-                check(self.model.name in CHAIN_MODELS, "parallelism.context_parallel_exchange",
-                      f"'gather' with model.name = {self.model.name!r} (the chain runs {', '.join(CHAIN_MODELS)})",
-                      "chain")
             multiple = cp * CHUNK_MULTIPLE
             check(self.training.seq_len % multiple == 0, "training.seq_len",
                   f"a multiple of {multiple} (context_parallel_degree {cp} x {multiple // cp}: every rank's piece "

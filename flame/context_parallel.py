@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flame import cp_chain
-from flame.config import CHAIN_MODELS, CONTEXT_PARALLEL_MODELS
+from flame.config import CONTEXT_PARALLEL_MODELS
 
 
 
@@ -97,9 +97,6 @@ def enable(model: torch.nn.Module, cp: ContextParallel | None) -> None:
     if cp is not None:
         if name not in CONTEXT_PARALLEL_MODELS:
             raise ValueError(f"context parallel supports {', '.join(CONTEXT_PARALLEL_MODELS)}, not model {name!r}")
-        if cp.links is not None and name not in CHAIN_MODELS:
-            raise ValueError(f"context parallel exchange 'chain' supports {', '.join(CHAIN_MODELS)}, "
-                             f"not model {name!r}")
         if dist.get_world_size(cp.group) != cp.size or dist.get_rank(cp.group) != cp.rank:
             raise ValueError(f"context parallel: rank {cp.rank} of {cp.size} does not match the process group's "
                              f"rank {dist.get_rank(cp.group)} of {dist.get_world_size(cp.group)}")
@@ -266,17 +263,17 @@ def add_incoming(piece: Piece, o: torch.Tensor, reach: torch.Tensor, state: torc
     return o + extra.to(o.dtype).reshape(o.shape)
 
 
-def chained_state(piece: Piece, anchor: torch.Tensor, k: torch.Tensor, V: int,
+def chained_state(piece: Piece, anchor: torch.Tensor, after: torch.Tensor, row_shape: list[int],
                   chunk_op: Callable[[torch.Tensor | None, bool], tuple]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chunk op of this rank's piece through the chain: chunk_op(initial states or None, whether to return the final
-    state) runs from the row states [B, H, K, V] the previous rank sends (placed after k; anchor: recv_prev's) and
-    its rows' final states go on to the next rank. Returns (o, link) (chunk_rwkv7_cp)."""
+    states) runs from the row states [B, *row_shape] fp32 the previous rank sends (placed after `after`; anchor:
+    recv_prev's) and its rows' final states go on to the next rank. Returns (o, link) (chunk_rwkv7_cp)."""
     cp = piece.cp
     group, last_rank = cp.links["state"], cp.rank == cp.size - 1
     h0 = None
     if cp.rank > 0:
-        shape = [piece.B, k.shape[2], k.shape[3], V]
-        h0 = first_segment_states(piece, cp_chain.receive(group, cp.rank, anchor, k, shape, torch.float32))
+        incoming = cp_chain.receive(group, cp.rank, anchor, after, [piece.B, *row_shape], torch.float32)
+        h0 = first_segment_states(piece, incoming)
     o, final = chunk_op(h0, not last_rank)
     return o, None if last_rank else cp_chain.send(group, cp.rank, cp.size, final[piece.last_seg])
 
@@ -295,7 +292,7 @@ def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
     from kernels.rwkv7 import chunk_rwkv7
 
     if piece.cp.links is not None:
-        return chained_state(piece, w0, k, v.shape[-1], lambda h0, final: chunk_rwkv7(
+        return chained_state(piece, w0, k, [*k.shape[2:], v.shape[-1]], lambda h0, final: chunk_rwkv7(
             r, z, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens,
             w_bias=w0))
     V, (_, _, H, K) = v.shape[-1], k.shape
@@ -318,7 +315,7 @@ def chunk_rwkv6_cp(piece: Piece, r, k, v, w, u, cu_seqlens):
     from kernels.rwkv6 import chunk_rwkv6
 
     if piece.cp.links is not None:
-        return chained_state(piece, u, k, v.shape[-1], lambda h0, final: chunk_rwkv6(
+        return chained_state(piece, u, k, [*k.shape[2:], v.shape[-1]], lambda h0, final: chunk_rwkv6(
             r, k, v, w, u, scale=1.0, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens))
     o, final = chunk_rwkv6(r, k, v, w, u, scale=1.0, output_final_state=True, cu_seqlens=cu_seqlens)
     state, = incoming_state(piece, [final[piece.last_seg]], [row_log_decay_sum(piece, w)],
@@ -327,13 +324,27 @@ def chunk_rwkv6_cp(piece: Piece, r, k, v, w, u, cu_seqlens):
     return add_incoming(piece, o, reach, state), None
 
 
-def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens):
-    """chunk_gsa (scale 1) of this rank's piece, continuing the previous ranks' two slot states. The softmax between
-    the passes keeps the incoming state from being added afterwards, so the chunk op runs once, from it; the local
-    final states it needs first are sums of decayed writes, Hk = sum_t k_t (s_t e^{sum_{u>t} g_u})^T and Hv = sum_t
-    (s_t e^{...}) v_t^T over each row's last segment, and both cross a piece by the same diagonal decay."""
+def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens, anchor):
+    """chunk_gsa (scale 1) of this rank's piece, continuing the previous ranks' two slot states: (o, link) as
+    chunk_rwkv7_cp's (anchor: a parameter of the layer, the chain's recv_prev anchor).
+    Chain: the chunk op from the two states the previous rank sends (one message: Hk and Hv flattened side by side).
+    Gather: the softmax between the passes keeps the incoming state from being added afterwards, so the chunk op runs
+    once, from it; the local final states it needs first are sums of decayed writes, Hk = sum_t k_t (s_t
+    e^{sum_{u>t} g_u})^T and Hv = sum_t (s_t e^{...}) v_t^T over each row's last segment, and both cross a piece by
+    the same diagonal decay."""
     from kernels.gsa import chunk_gsa
 
+    if piece.cp.links is not None:
+        (H, K), M, V = k.shape[2:], s.shape[-1], v.shape[-1]
+
+        def chunk_op(h0, final):
+            if h0 is not None:
+                h0 = (h0[..., :K * M].unflatten(-1, (K, M)), h0[..., K * M:].unflatten(-1, (M, V)))
+            o, states = chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=h0, output_final_state=final,
+                                  cu_seqlens=cu_seqlens)
+            return o, None if states is None else torch.cat([states[0].flatten(2), states[1].flatten(2)], -1)
+
+        return chained_state(piece, anchor, k, [H, K * M + M * V], chunk_op)
     dt = product_dtype(k)
     g_rows = piece.rows(g.float())
     writes = piece.rows(s.float()) * exclusive_cumsum(g_rows, reverse=True).exp() * last_segment_mask(piece)
@@ -343,4 +354,4 @@ def chunk_gsa_cp(piece: Piece, q, k, v, s, g, cu_seqlens):
     hk_in, hv_in = incoming_state(piece, [hk, hv], [row_log_decay_sum(piece, g)],
                                   lambda d, e: [e[0] * d[0][:, :, None, :], d[0][..., None] * e[1]])
     h0 = (first_segment_states(piece, hk_in), first_segment_states(piece, hv_in))
-    return chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=h0, cu_seqlens=cu_seqlens)[0]
+    return chunk_gsa(q, k, v, s, g, scale=1.0, initial_state=h0, cu_seqlens=cu_seqlens)[0], None

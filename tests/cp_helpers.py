@@ -76,7 +76,7 @@ COMPILED = ("rwkv7", "gsa_conv")
 """Cases also run at cp = 2 with training's selective checkpointing and each block compiled whole (fullgraph: the
 exchanges inside a checkpointed block must not break its graph, which would run the block eagerly). Rows, not packed:
 the CPU reference path of packed documents loops over their data-dependent lengths (a graph break of its own)."""
-CHAIN = ("rwkv7", "rwkv7_packed", "rwkv6", "rwkv6_packed")
+CHAIN = ("rwkv7", "rwkv7_packed", "rwkv6_packed", "gsa_packed", "gsa_conv_packed")
 """Cases also run with the send/recv chain (ContextParallel.links) at cp = 2 and 4."""
 VARIANTS = {
     "compiled": ("gather", "selective"),

@@ -98,8 +98,6 @@ def test_head_sizes_beyond_the_kernels_stop_at_the_config(capsys, config, overri
      "got '1 * -1 (the rest) * 2'"),
     (["--parallelism.dp_shard=2"], "6", "parallelism: expected dp_replicate * dp_shard * context_parallel_degree = "
      "number of processes (6), got '1 * 2 * 2'"),
-    (["--parallelism.context_parallel_exchange=chain"], None, "parallelism.context_parallel_exchange: expected "
-     "'gather' with model.name = 'gsa' (the chain runs rwkv7, rwkv6), got 'chain'"),
 ])
 def test_context_parallel_layout_errors(capsys, monkeypatch, overrides, world, expected):
     """cp must cut seq_len into whole chunks and fit the processes with the data-parallel degrees: one line from

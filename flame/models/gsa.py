@@ -84,15 +84,18 @@ def cached_conv(conv: ShortConv, x: torch.Tensor, prev: torch.Tensor, positions:
     return conv(joined)[:, n:]
 
 
-def conv_cp(conv: ShortConv, x: torch.Tensor, positions: torch.Tensor | None, piece: Piece) -> torch.Tensor:
-    """conv(x) for one piece of a context-parallel row: each row's first document reads on into the previous rank's
-    last (size - 1) inputs where they belong to the same document."""
-    n = conv.size - 1
+def convs_cp(convs: list[ShortConv], xs: list[torch.Tensor], positions: torch.Tensor | None,
+             piece: Piece) -> list[torch.Tensor]:
+    """conv(x) of each (conv, x) for one piece of a context-parallel row: each row's first document reads on into the
+    previous rank's last (size - 1) inputs where they belong to the same document; the inputs' tails cross the
+    boundary as one transfer."""
+    n = convs[0].size - 1
     if n == 0:
-        return conv(x, positions)
-    prev = previous_tokens(piece, last_tokens_of_piece(piece, x, n), "attn_shift", conv.weight)
-    rows = conv(piece.rows(x), None if positions is None else positions.view(piece.B, piece.T), prev)
-    return rows.reshape(x.shape)
+        return [conv(x, positions) for conv, x in zip(convs, xs)]
+    tails = torch.cat([last_tokens_of_piece(piece, x, n) for x in xs], -1)
+    prevs = previous_tokens(piece, tails, "attn_shift", convs[0].weight).split([x.shape[-1] for x in xs], -1)
+    rows_positions = None if positions is None else positions.view(piece.B, piece.T)
+    return [conv(piece.rows(x), rows_positions, prev).reshape(x.shape) for conv, x, prev in zip(convs, xs, prevs)]
 
 
 class GatedSlotAttention(nn.Module):
@@ -121,6 +124,7 @@ class GatedSlotAttention(nn.Module):
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_proj)
         normalizer = self.args.gate_logit_normalizer
+        link = None   # context parallelism's chain: see g_weight below
         if cache is None:
             # training: q, k, v and the gate logits from one matmul against the four weights stacked (the parameters
             # stay the modules' own), so backward sums the four input gradients inside one GEMM, not in a pass of
@@ -130,44 +134,46 @@ class GatedSlotAttention(nn.Module):
             if piece is not None:
                 q, k, v, f = y.split([p.out_features for p in projections], dim=-1)
                 if self.args.use_short_conv:
-                    q, k, v = (conv_cp(c, t, positions, piece)
-                               for c, t in ((self.q_conv1d, q), (self.k_conv1d, k), (self.v_conv1d, v)))
-                o = self.attend(q, k, v, f, cu_seqlens, piece=piece)
+                    q, k, v = convs_cp([self.q_conv1d, self.k_conv1d, self.v_conv1d], [q, k, v], positions, piece)
+                o, link = self.attend(q, k, v, f, cu_seqlens, piece=piece)
             elif not self.args.use_short_conv:
                 # the feature maps and the chunk op in one call, whose backward writes y's gradient directly
                 o = chunk_gsa_from_projection(y, H, D, M, normalizer, scale=1.0, cu_seqlens=cu_seqlens)
             else:
                 q, k, v, f = y.split([p.out_features for p in projections], dim=-1)
                 q, k, v = self.q_conv1d(q, positions), self.k_conv1d(k, positions), self.v_conv1d(v, positions)
-                o = self.attend(q, k, v, f, cu_seqlens)
+                o, link = self.attend(q, k, v, f, cu_seqlens)
         else:
             q, k, v, f = (p(x) for p in projections)
             if self.args.use_short_conv:
                 q = cached_conv(self.q_conv1d, q, cache.q_conv, positions, cu_seqlens)
                 k = cached_conv(self.k_conv1d, k, cache.k_conv, positions, cu_seqlens)
                 v = cached_conv(self.v_conv1d, v, cache.v_conv, positions, cu_seqlens)
-            o = self.attend(q, k, v, f, cu_seqlens, cache)
+            o, link = self.attend(q, k, v, f, cu_seqlens, cache)
+        # the chain's link: its backward receives the final states' gradient when g_norm's weight has its own
+        g_weight = self.g_norm.weight if link is None else self.g_norm.weight + link
         if self.g_proj is None:
             # RMSNorm(silu(o)) over all heads together, fp32 inside (one fused op); its eps matters: at init
             # mean(silu(o)^2) is only ~1e-4
-            o = silu_rms_norm(o.reshape(B, T, C), self.g_norm.weight, self.g_norm.eps)
+            o = silu_rms_norm(o.reshape(B, T, C), g_weight, self.g_norm.eps)
         else:
-            o = (self.g_norm(o.float()) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
+            o = (self.g_norm(o.float(), g_weight) * F.silu(self.g_proj(x).float()).view(B, T, H, D)).reshape(B, T, C)
         return self.o_proj(o.to(x.dtype))
 
     def attend(self, q, k, v, f, cu_seqlens, cache: GSALayerCache | None = None, piece: Piece | None = None):
         """The recurrence on the feature maps (kernels.gsa.feature_maps: swish on q, k, silu on v, the fp32 log
-        gate and the slot writes) of q, k, v [B, T, H D] and the gate logits f [B, T, H M]."""
+        gate and the slot writes) of q, k, v [B, T, H D] and the gate logits f [B, T, H M]: (o, the context-parallel
+        chain's link or None)."""
         B, T, _ = q.shape
         H, D, M = self.n_heads, self.head_dim, self.args.num_slots
         q, k, v, s, g = feature_maps(q, k, v, f, self.args.gate_logit_normalizer)
         q, k, v = (t.view(B, T, H, D) for t in (q, k, v))
         s, g = s.view(B, T, H, M), g.view(B, T, H, M)
         if piece is not None:
-            return chunk_gsa_cp(piece, q, k, v, s, g, cu_seqlens)
+            return chunk_gsa_cp(piece, q, k, v, s, g, cu_seqlens, self.g_norm.weight)
         if cache is None:
-            return chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens)[0]
-        return self.cached_op(q, k, v, s, g, cu_seqlens, cache)
+            return chunk_gsa(q, k, v, s, g, scale=1.0, cu_seqlens=cu_seqlens)[0], None
+        return self.cached_op(q, k, v, s, g, cu_seqlens, cache), None
 
     @staticmethod
     def cached_op(q, k, v, s, f, cu_seqlens, cache: GSALayerCache):
