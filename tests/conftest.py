@@ -7,6 +7,11 @@ import torch
 # when it is imported (its own tl.cumsum / tl.sum are decorated then): set the switch before anything imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not torch.cuda.is_available():
+    # a test process of `-n auto` shares the cores with the others: torch's default of a thread per core in each
+    # oversubscribes them, and its threads spin waiting for each other (CPU suite on 2 cores: a third more CPU time
+    # in the in-process model tests). Subprocesses get OMP_NUM_THREADS=1 from tests/helpers.py's env().
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests import triton_interpreter
 
