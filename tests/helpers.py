@@ -175,13 +175,20 @@ def read_line(stream, timeout: float) -> str | None:
     return line.decode()
 
 
-def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -c script ARGS` in a process of its own: on CPU forked from train_server() (torch and flame imported
-    already), with CUDA a fresh one."""
+def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -c script ARGS` in a process of its own, or as a job of `nproc` ranks joined as torchrun joins them:
+    on CPU forked from train_server() (torch and flame imported already), with CUDA a fresh process or torchrun."""
     cmd = [sys.executable, "-c", script, *args]
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        return forked_train(cmd, timeout, nproc, script=script)
+    if nproc == 1:
         return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
-    return forked_train(cmd, timeout, script=script)
+    with tempfile.TemporaryDirectory() as tmp:  # torchrun runs a file, not -c
+        path = Path(tmp) / "script.py"
+        path.write_text(script)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path),
+               *args]
+        return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
 def forked_train(cmd: list[str], timeout: float, nproc: int = 1,

@@ -3,8 +3,6 @@ any shipped config on any machine (data problems are warnings unless --strict); 
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from flame.config import LRSchedulerConfig
 from flame.data.config import SourceConfig
 from flame.data.counters import Counters
 from flame.data.sources import DocumentStream, plan_source
-from tests.helpers import REPO, env, run_train, write_config
+from tests.helpers import REPO, run_script, run_train, write_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
@@ -32,10 +30,8 @@ def test_truncated_only_file_and_bad_init_from_are_one_line(tmp_path):
     packed = zstandard.ZstdCompressor().compress(docs)
     cut = tmp_path / "cut.jsonl.zst"
     cut.write_bytes(packed[: len(packed) // 2])
-    proc = subprocess.run([sys.executable, "-m", "flame.train", "--config", "configs/transformer_tiny.toml",
-                           f"--job.dump_folder={tmp_path / 'run'}", "--validation.enable=false",
-                           "--training.seq_len=64", f'--data.sources=[{{path = "{cut}"}}]'],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_train(REPO / "configs/transformer_tiny.toml", f"--job.dump_folder={tmp_path / 'run'}",
+                     "--validation.enable=false", "--training.seq_len=64", f'--data.sources=[{{path = "{cut}"}}]')
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
@@ -50,8 +46,8 @@ def test_truncated_only_file_and_bad_init_from_are_one_line(tmp_path):
 
 
 def test_export_of_a_missing_folder_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flame.export", str(tmp_path / "nothing"), str(tmp_path / "out")],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    # flame.export's main as `python -m flame.export` runs it, in a process forked from the train_forks server
+    proc = run_script("from flame.export import main; main()", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert one_line(proc) == f"error: {tmp_path / 'nothing'}: no such run folder"
     assert not (tmp_path / "out").exists()
 

@@ -1,5 +1,6 @@
 """flame.eval on 2 CPU processes (gloo) through `scripts/launch.sh -m flame.eval` against the same evaluation in one
-process: the ranks split the windows, so tokens and bytes must be equal and the loss equal up to fp32 batching."""
+process: the ranks split the windows, so tokens and bytes must be equal and the loss equal up to fp32 batching. The
+split at --max-tokens runs as two forked ranks (tests.helpers.run_script): the launcher's part is the same."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from flame.eval import main
 from tests.eval_export import DOCS, SEQ_LEN, parse, tiny_eval_export
-from tests.helpers import REPO, env
+from tests.helpers import REPO, env, run_script
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +19,14 @@ def setup(tmp_path_factory):
     return tiny_eval_export(tmp_path_factory.mktemp("eval"))
 
 
-def two_processes(export, data, *extra, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "scripts/launch.sh"), "-m", "flame.eval", str(export), "--data",
-                           str(data), "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--device", "cpu", *extra],
-                          capture_output=True, text=True, cwd=cwd, env=dict(env(), NPROC="2"), timeout=180)
+def two_processes(export, data, *extra, cwd=REPO, launcher=True) -> subprocess.CompletedProcess:
+    """flame.eval on 2 ranks: through the launcher, or (launcher=False) as ranks forked from the test's train_forks
+    server, which run flame.eval's main as `python -m flame.eval` does."""
+    args = [str(export), "--data", str(data), "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--device", "cpu", *extra]
+    if not launcher:
+        return run_script("from flame.eval import main; main()", *args, nproc=2, timeout=180)
+    return subprocess.run(["bash", str(REPO / "scripts/launch.sh"), "-m", "flame.eval", *args], capture_output=True,
+                          text=True, cwd=cwd, env=dict(env(), NPROC="2"), timeout=180)
 
 
 @pytest.mark.parametrize("cut", [False, True], ids=["all", "max-tokens"])
@@ -33,7 +38,7 @@ def test_two_ranks_equal_one(setup, capsys, cut):
           *extra])
     single = parse(capsys.readouterr().out)
     assert math.ceil(single["tokens"] / SEQ_LEN) >= 3  # windows for both ranks, one rank with two
-    r = two_processes(export, data, *extra)
+    r = two_processes(export, data, *extra, launcher=not cut)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert len(r.stdout.splitlines()) == 5, r.stdout  # rank 0 alone prints
     double = parse(r.stdout)
