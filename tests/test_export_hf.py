@@ -5,10 +5,7 @@ flame.convert reads the folder back into the same tensors; its files get the uma
 from __future__ import annotations
 
 import json
-import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from flame.convert import main as convert
 from flame.convert import read_model
 from flame.export import ModelState, load_exported, write_export
 from flame.models import build_model, model_args_class
-from tests.helpers import REPO, env
+from tests.helpers import run_script
 
 pytest.importorskip("transformers")
 
@@ -65,9 +62,8 @@ def test_transformers_loads_it_without_fla_and_gives_flame_logits(case, tmp_path
 
     ids = torch.randint(0, 211, (2, 40), generator=torch.Generator().manual_seed(1))
     torch.save(ids, tmp_path / "ids.pt")
-    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_FLA, str(hf), str(tmp_path / "ids.pt"),
-                           str(tmp_path / "logits.pt")], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=300)
+    # forked from the train_forks server, which has imported neither transformers nor fla
+    proc = run_script(LOAD_WITHOUT_FLA, str(hf), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "LlamaForCausalLM"
     theirs = torch.load(tmp_path / "logits.pt")
@@ -89,9 +85,9 @@ def test_the_folder_reads_back_into_the_same_tensors(tmp_path):
 
 def test_the_folder_files_follow_the_umask(tmp_path):
     exported = tiny_export(tmp_path / "export", CASES["tied"])
-    proc = subprocess.run([sys.executable, "-m", "flame.convert", str(exported), str(tmp_path / "hf"), "--to", "hf"],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
-                          preexec_fn=lambda: os.umask(0o027))
+    # flame.convert's main as `python -m flame.convert` runs it, under the umask, forked from the train_forks server
+    proc = run_script("import os; os.umask(0o027); from flame.convert import main; main()", str(exported),
+                      str(tmp_path / "hf"), "--to", "hf", timeout=120)
     assert proc.returncode == 0, proc.stderr
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
     assert modes == {"config.json": 0o640, "model.safetensors": 0o640}, modes
