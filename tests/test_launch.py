@@ -33,22 +33,6 @@ def test_launch_two_cpu_processes(tmp_path):
     assert len(logs) == 2  # one per rank
 
 
-def test_launch_rwkv6_tiny(tmp_path):
-    # RWKV-6 through the launcher as users run it: one process, its checkpoint, a loss near ln(vocab) falling (the
-    # sample text at a 512-token vocabulary)
-    dump = tmp_path / "run"
-    proc = subprocess.run(
-        ["bash", "scripts/launch.sh", "configs/rwkv6_tiny.toml", "--training.steps", "4", f"--job.dump_folder={dump}",
-         "--metrics.log_freq=1", "--checkpoint.interval=4", "--training.seq_len=64", "--lr_scheduler.warmup_steps=1",
-         *SMALL_VOCAB],
-        cwd=REPO, env=dict(env(), NPROC="1"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    losses = [r["loss"] for r in read_metrics(dump)]
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
-    assert abs(losses[0] - math.log(512)) < 1.0 and losses[-1] < losses[0]
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4"]
-
-
 def test_layout_that_does_not_fit_the_processes_stops_before_any_starts(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(

@@ -1,5 +1,6 @@
 """RWKV-6 model: fresh-init loss, gradients, packed documents, cached prefill/decode against the full forward, the
-optimizer groups RWKV-LM gives x060, the tiny config training on the sample text."""
+optimizer groups RWKV-LM gives x060, the tiny config training on the sample text (in this process, and as a run of
+flame.train with its checkpoint)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from flame.config import load_config
 from flame.convert_rwkv_lm import to_rwkv_lm_x060
 from flame.models import build_model
 from flame.optim import build_optimizer
-from tests.helpers import REPO, one_thread  # noqa: F401  (one_thread: tiny ops, decoding above all)
+from tests.helpers import REPO, SMALL_VOCAB, one_thread, read_metrics, run_train  # noqa: F401  (one_thread: tiny ops)
 from tests.tiny_models import tiny_model, wake_branches
 
 VOCAB = 256
@@ -137,3 +138,17 @@ def test_tiny_config_trains_on_sample_text():
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses) and abs(losses[0] - math.log(cfg.model.vocab_size)) < 0.3, losses
     assert sum(losses[-3:]) / 3 < losses[0] - 2.0, losses
+
+
+def test_tiny_config_run_saves_its_checkpoint(tmp_path):
+    # flame.train on configs/rwkv6_tiny.toml (the sample text at a 512-token vocabulary): a loss near ln(vocab)
+    # falling, its checkpoint
+    dump = tmp_path / "run"
+    proc = run_train(REPO / "configs/rwkv6_tiny.toml", "--training.steps=4", f"--job.dump_folder={dump}",
+                     "--metrics.log_freq=1", "--checkpoint.interval=4", "--training.seq_len=64",
+                     "--lr_scheduler.warmup_steps=1", *SMALL_VOCAB)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(dump)]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert abs(losses[0] - math.log(512)) < 1.0 and losses[-1] < losses[0]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4"]
