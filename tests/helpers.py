@@ -123,11 +123,12 @@ def byte_bpe(texts, path: Path, vocab_size: int = 300):
     return tok
 
 
-def env() -> dict:
+def env(without: tuple[str, ...] = ()) -> dict:
+    """A subprocess's environment: this one's, less the variables in `without`."""
     # the repository first; what the caller's PYTHONPATH holds (packages installed to a --target folder) after it
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     e = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *without):
         e.pop(k, None)
     return e
 
@@ -150,15 +151,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_TRAIN_SERVER: list[subprocess.Popen] = []
+_TRAIN_SERVERS: dict[tuple[str, ...], subprocess.Popen] = {}
 
 
-def train_server() -> subprocess.Popen:
-    """This process's tests/train_forks.py (started at first use, again if it has ended)."""
-    if not _TRAIN_SERVER or _TRAIN_SERVER[0].poll() is not None:
-        _TRAIN_SERVER[:] = [subprocess.Popen([sys.executable, "-m", "tests.train_forks"], cwd=REPO, env=env(),
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)]
-    return _TRAIN_SERVER[0]
+def train_server(without: tuple[str, ...] = ()) -> subprocess.Popen:
+    """This process's tests/train_forks.py (started at first use, again if it has ended); with `without`, one of its
+    own started in env(without) (TRITON_INTERPRET, say: Triton chooses interpreter or compiler at its import)."""
+    server = _TRAIN_SERVERS.get(without)
+    if server is None or server.poll() is not None:
+        server = _TRAIN_SERVERS[without] = subprocess.Popen(
+            [sys.executable, "-m", "tests.train_forks"], cwd=REPO, env=env(without), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, bufsize=0)
+    return server
 
 
 def read_line(stream, timeout: float) -> str | None:
@@ -175,32 +179,36 @@ def read_line(stream, timeout: float) -> str | None:
     return line.decode()
 
 
-def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -c script ARGS` in a process of its own, or as a job of `nproc` ranks joined as torchrun joins them:
-    on CPU forked from train_server() (torch and flame imported already), with CUDA a fresh process or torchrun."""
+def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300,
+               without: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`python -c script ARGS` in a process of its own, or as a job of `nproc` ranks joined as torchrun joins them, in
+    env(without): on CPU forked from train_server(without) (torch and flame imported already), with CUDA a fresh
+    process or torchrun."""
     cmd = [sys.executable, "-c", script, *args]
     if not torch.cuda.is_available():
-        return forked_train(cmd, timeout, nproc, script=script)
+        return forked_train(cmd, timeout, nproc, script=script, without=without)
     if nproc == 1:
-        return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=REPO, env=env(without), capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:  # torchrun runs a file, not -c
         path = Path(tmp) / "script.py"
         path.write_text(script)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path),
                *args]
-        return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=REPO, env=env(without), capture_output=True, text=True, timeout=timeout)
 
 
-def forked_train(cmd: list[str], timeout: float, nproc: int = 1,
-                 script: str | None = None) -> subprocess.CompletedProcess:
+def forked_train(cmd: list[str], timeout: float, nproc: int = 1, script: str | None = None,
+                 without: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """cmd (`python -m flame.train ARGS`, or with `script`, `python -c script ARGS`) as a job of `nproc` ranks of
-    train_server(): the exit code (a failed rank's, or 0), and the ranks' stdout and stderr, one after the other."""
-    server = train_server()
+    train_server(without) in env(without): the exit code (a failed rank's, or 0), and the ranks' stdout and stderr,
+    one after the other."""
+    server = train_server(without)
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(free_port())}
         ranks = [{"stdout": f"{tmp}/stdout{r}", "stderr": f"{tmp}/stderr{r}",
-                  "env": env() if nproc == 1 else dict(env(), RANK=str(r), LOCAL_RANK=str(r), **rendezvous)}
+                  "env": env(without) if nproc == 1 else dict(env(without), RANK=str(r), LOCAL_RANK=str(r),
+                                                                **rendezvous)}
                  for r in range(nproc)]
         job = {"args": cmd[3:], "ranks": ranks, **({} if script is None else {"script": script})}
         server.stdin.write((json.dumps(job) + "\n").encode())

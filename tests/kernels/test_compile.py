@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.kernels.offline_build import REPO, in_fresh_process, skip_without_cuda_backend
+from tests.kernels.offline_build import REPO, in_compiling_process, skip_without_cuda_backend
 
 # beside the benchmark shapes (each shape regime): the largest head sizes each op's call accepts (MAX_K, MAX_SLOTS:
 # larger ones are refused before anything launches) and K != V
@@ -26,7 +26,7 @@ def test_every_launched_kernel_compiles_for_h100(op):
     skip_without_cuda_backend()
     from kernels.sm90 import H100_SMEM
     shapes = EXTRA_SHAPES[op]
-    smem = in_fresh_process(
+    smem = in_compiling_process(
         "import dataclasses, json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches, report\n"
         f"op = OPS[{op!r}]\nwide = dataclasses.replace(op, shapes=op.shapes + tuple({shapes!r}))\n"
         "out = report(wide)\nout['regimes'] = len(op_launches(op))\nprint(json.dumps(out))")
@@ -41,7 +41,7 @@ def test_recorded_launches_cover_both_regimes_of_each_op():
     # the two benchmark shapes of each op take different launch paths: each shape launches builds (kernel and
     # compile-time values) the other does not
     pytest.importorskip("triton")
-    only = in_fresh_process(
+    only = in_compiling_process(
         "import dataclasses, json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches\n"
         "per = {n: [{f'{k} {b.constexprs}' for k, b in op_launches(dataclasses.replace(op, shapes=(s,))).items()}\n"
         "           for s in op.shapes]\n"
@@ -58,8 +58,8 @@ def test_kernel_resources_script_reports_every_build():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_resources.py"), "--op", "rwkv6"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    builds = in_fresh_process("import json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches\n"
-                              "print(json.dumps(len(op_launches(OPS['rwkv6']))))")
+    builds = in_compiling_process("import json\nfrom kernels.ops import OPS\nfrom kernels.sm90 import op_launches\n"
+                                  "print(json.dumps(len(op_launches(OPS['rwkv6']))))")
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| _")]
     assert len(rows) == builds, proc.stdout
     for name, regs, stack, shared, instructions, loop in rows:

@@ -16,7 +16,7 @@ from kernels.silu_rms_norm import silu_rms_norm
 from kernels.silu_rms_norm.op import Settings
 from tests.kernels.common import assert_close, opcheck
 from tests.kernels.fused import outputs_and_grads, reference, skip_without_interpreter
-from tests.kernels.offline_build import in_fresh_process, skip_without_cuda_backend
+from tests.kernels.offline_build import in_compiling_process, skip_without_cuda_backend
 
 EPS = 1e-5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
@@ -93,7 +93,7 @@ def test_gpu_model_shape_bf16():
 def test_kernels_compile_for_h100_without_spills():
     # offline sm_90 builds of the launches at GSA 0.6B's shape (C = 1280, a 2048-channel tile) and at C = 2048
     skip_without_cuda_backend()
-    found = in_fresh_process(
+    found = in_compiling_process(
         "import json, torch\nfrom kernels import sm90\nfrom kernels.launch import record, distinct\n"
         "from kernels.silu_rms_norm.op import Settings, _fwd_triton, _bwd_triton\n"
         "out = {}\nfor C in (1280, 2048):\n"
