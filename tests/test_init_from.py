@@ -2,9 +2,6 @@
 that transformers loads without FLA): the new run starts from exactly the source's weights, and its first loss is
 the source model's loss on that first batch: flame's model for the run folder, transformers' Llama for the FLA one."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +10,7 @@ from flame.convert import read_model
 from flame.data.synthetic import SyntheticLoader
 from flame.loss import IGNORE_INDEX
 from flame.models import build_model
-from tests.helpers import REPO, env, read_checkpoint, read_metrics, run_train, write_config
+from tests.helpers import read_checkpoint, read_metrics, run_script, run_train, write_config
 
 SEED, SEQ_LEN, BATCH, VOCAB = 7, 32, 4, 512   # tests/helpers.py's TINY run
 VANISHING_LR = "--optimizer.lr=1e-30"   # the new run's one step leaves its weights as it started
@@ -67,8 +64,8 @@ def test_init_from_an_fla_folder(tmp_path, source):
     from transformers import AutoModelForCausalLM
 
     fla = tmp_path / "llama"
-    proc = subprocess.run([sys.executable, "-m", "flame.convert", str(source), str(fla), "--to", "fla"], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=120)
+    # flame.convert's command line (its main, as python -m runs it), forked from the train_forks server
+    proc = run_script("from flame.convert import main; main()", str(source), str(fla), "--to", "fla", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights, loss = start_from(tmp_path, fla)
     trained = read_checkpoint(source, 2)["model"]   # the conversion is exact: the same tensors come back
