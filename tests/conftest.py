@@ -24,7 +24,31 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if torch.cuda.is_available() else None
 
 
+def module_fixtures(item) -> list[str]:
+    """The module-scoped fixtures a test asks for, itself or through its fixtures (autouse ones, such as
+    tests.helpers.one_thread, left out)."""
+    info, found, seen = item._fixtureinfo, [], set()
+    todo = list(info.argnames)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in info.name2fixturedefs:
+            continue
+        seen.add(name)
+        fixture = info.name2fixturedefs[name][-1]
+        if fixture.scope == "module":
+            found.append(name)
+        todo.extend(fixture.argnames)
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    # `--dist loadgroup` (pyproject): the tests of a module that share a module-scoped fixture (a reference training
+    # run, the context-parallel runs of every case) go to one test process, which sets it up once; split over two,
+    # each process set it up again.
+    for item in items:
+        if module_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
