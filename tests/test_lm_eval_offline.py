@@ -6,23 +6,27 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from flame.export import ModelState, write_export
 from flame.models import build_model, model_args_class
-from tests.helpers import REPO, env
+from tests.helpers import REPO, run_script
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (flame's test extra installs it)")
 
 TASK_DIR = REPO / "docs" / "lm_eval_task"
 ITEMS = [json.loads(line) for line in (TASK_DIR / "items.jsonl").read_text().splitlines()]
-# lm-eval's CLI in a subprocess, with its task index limited to --include_path: indexing its thousands of built-in
-# task files takes ~10 s and neither test uses them
+# lm-eval's CLI in a process of its own (forked from the train_forks server, which has imported neither lm-eval nor
+# huggingface_hub), run from FOLDER (its first argument) without network: the offline switches are set before
+# lm-eval is imported, as the environment would set them. Its task index is limited to --include_path: indexing its
+# thousands of built-in task files takes ~10 s and neither test uses them.
 HARNESS = """
-import sys
+import os, sys
+folder = sys.argv.pop(1)
+os.chdir(folder)
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=os.path.join(folder, "hf_home"))
 from lm_eval import tasks
 
 class LocalTasksOnly(tasks.TaskManager):
@@ -59,9 +63,7 @@ def model(tmp_path_factory):
 
 
 def harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    offline = dict(env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    return subprocess.run([sys.executable, "-c", HARNESS, *args], cwd=tmp_path, env=offline, capture_output=True,
-                          text=True, timeout=300)
+    return run_script(HARNESS, str(tmp_path), *args)
 
 
 def test_the_local_task_runs_offline_on_every_item(model, tmp_path):
