@@ -19,6 +19,9 @@ SAVED_ATEN_PREFIXES = ("_scaled_dot_product_", "_flash_attention_", "_efficient_
 """Attention: every SDPA backend (flash, efficient, cuDNN, math, the CPU flash path)."""
 CHUNK_KERNEL_PREFIX = "chunk_"
 """Our kernels' custom ops are flame::chunk_<model> (kernels/); their outputs are kept too."""
+EXCHANGE_NAMESPACES = ("_c10d_functional", "flame_cp")
+"""Context parallelism's exchanges (functional collectives, flame/cp_chain.py's transfers): never run again in
+backward, under either checkpointing."""
 SAVED_GLUE_OPS = frozenset({"rwkv7_out"})
 """Fused glue ops whose outputs are kept: RWKV-7's output epilogue gives one [T, C] tensor, the output projection's
 input (its weight's gradient reads it), where recomputing it costs the epilogue's whole forward again (about 1 % of
@@ -30,7 +33,7 @@ def saves_output(func) -> bool:
     namespace, name = getattr(func, "namespace", None), getattr(func, "_opname", "")
     if namespace == "aten":
         return name in SAVED_ATEN_OPS or name.startswith(SAVED_ATEN_PREFIXES)
-    if namespace in ("_c10d_functional", "flame_cp"):  # context parallelism's exchanges: never again in backward
+    if namespace in EXCHANGE_NAMESPACES:
         return True
     if namespace == "flame":
         return (name.startswith(CHUNK_KERNEL_PREFIX) and not name.endswith("_bwd")) or name in SAVED_GLUE_OPS
@@ -42,7 +45,7 @@ def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _exchanges_only_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    exchange = getattr(func, "namespace", None) in ("_c10d_functional", "flame_cp")
+    exchange = getattr(func, "namespace", None) in EXCHANGE_NAMESPACES
     return CheckpointPolicy.MUST_SAVE if exchange else CheckpointPolicy.MUST_RECOMPUTE
 
 
