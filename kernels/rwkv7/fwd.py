@@ -20,8 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (by_chunk, cast_for, chunk_program, decay_on, first_half, load_cols, load_rows, mm,
-                               pair_mask, run_sums, second_half, sequence_span, spare_chunk, store_cols, store_rows)
+from kernels.tl_utils import (by_chunk, cast_for, chunk_bounds, decay_on, first_half, load_cols, load_rows,
+                               load_rows_raw, mm, pair_mask, run_sums, second_half, sequence_span, store_cols,
+                               store_rows)
 
 
 @triton.jit
@@ -50,20 +51,34 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr, BF16: tl.constexpr,
               PREC: tl.constexpr):
-    """LOGITS: w holds the decay's logits, the log decay is -decay_scale * sigmoid(w + w_bias) (decay.py), in fp32."""
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
+    """LOGITS: w holds the decay's logits, the log decay is -decay_scale * sigmoid(w + w_bias) (decay.py), in fp32.
+    The kernel waits on its loads (few blocks fit an SM at its register count): every load is issued at once, in
+    the inputs' dtype, v's first tile too, and no branch precedes them (a spare chunk of a packed batch runs with
+    all-false masks instead of returning early)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BT)
     cb = rows   # token offsets along the columns of [BT, BT] tiles
-    # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
-    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
-    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
-    if LOGITS:   # (padded rows and features set to w = 0 again)
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cv0 = tl.arange(0, BV)
+    bias = tl.zeros([BK], dtype=tl.float32)
+    if LOGITS:
         bias = tl.load(w_bias + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
+    eye = rows[:, None] == cb[None, :]
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    # Padded rows load as zeros: w = 0 keeps g flat, zero r/k/a/b add nothing.
+    x_r = load_rows_raw(r, tok, i_h, H, K, ck, m_t, m_k)
+    x_w = load_rows_raw(w, tok, i_h, H, K, ck, m_t, m_k)
+    x_k = load_rows_raw(k, tok, i_h, H, K, ck, m_t, m_k)
+    x_a = load_rows_raw(a, tok, i_h, H, K, ck, m_t, m_k)
+    x_b = load_rows_raw(b, tok, i_h, H, K, ck, m_t, m_k)
+    x_v = load_rows_raw(v, tok, i_h, H, V, cv0, m_t, cv0 < V)
+    b_r, b_w, b_k, b_a, b_b = x_r.to(tl.float32), x_w.to(tl.float32), x_k.to(tl.float32), x_a.to(tl.float32), \
+        x_b.to(tl.float32)
+    if LOGITS:   # (padded rows and features set to w = 0 again)
         b_w = tl.where(m_t[:, None] & m_k[None, :], -decay_scale * tl.sigmoid(b_w + bias[None, :]), 0.)
-    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-    b_a = load_rows(a, tok, i_h, H, K, ck, m_t, m_k)
-    b_b = load_rows(b, tok, i_h, H, K, ck, m_t, m_k)
     ge = run_sums(b_w, rows, BT, True)   # exclusive cumulative log decays, for W = T (a e^{ge})
     # w feature-major by chunk, for the scans and _bwd_chunk (load_w)
     tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
@@ -71,7 +86,6 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
     # Pairwise matrices A_xy[t, s] = sum_k x_tk y_sk exp(gx_tk - g_sk) by halving: at each level, a pair (t, s)
     # straddling the middle of its block factors through that middle row m as exp(gx_t - g_m) * exp(g_m - g_s),
     # both <= 0, so each level is one matrix product; the diagonal (t = s, decay 1) is added apart.
-    eye = rows[:, None] == cb[None, :]
     A_rb = tl.where(eye, tl.sum(b_r * b_b, axis=1)[:, None], 0.)
     A_rk = tl.where(eye, tl.sum(b_r * b_k, axis=1)[:, None], 0.)
     A_ab = tl.zeros([BT, BT], dtype=tl.float32)
@@ -101,10 +115,13 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
     b_W = tl.dot(T, b_a * tl.exp(tl.minimum(ge, 0.)), input_precision=PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        cv = i_v * BV + cv0
         m_v = cv < V
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        if i_v == 0:
+            b_v = x_v.to(tl.float32)
+        else:
+            b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
         b_Uv = tl.dot(T, mm(A_ak, b_v, BF16, PREC), input_precision=PREC)
         store_rows(Uv, b_Uv, tok, i_h, H, V, cv, m_t, m_v)
 
