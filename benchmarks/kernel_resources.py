@@ -1,5 +1,6 @@
-"""Registers, stack bytes (spilled registers) per thread, shared memory per block and SASS instructions (in all, and
-in the largest loop body, a sequential scan's step) of every kernel build our ops launch at their benchmark shapes,
+"""Registers, stack bytes (spilled registers) per thread, shared memory per block, SASS instructions (in all, and
+in the largest loop body, a sequential scan's step) and tile loads (in all / issued before the first shared-memory
+store: kernels.sm90.resources) of every kernel build our ops launch at their benchmark shapes,
 called as the models call them (kernels/ops.py), compiled offline for an H100 (sm_90) with Triton's bundled ptxas: no
 GPU needed, so a kernel change can be judged before a device call. The builds are recorded from the launch code
 (kernels/launch.py).
@@ -43,10 +44,10 @@ def main():
             continue
         shapes = ", ".join(" ".join(f"{n}={x}" for n, x in zip(op.shape_names, s)) for s in op.shapes)
         print(f"\n{name} at {shapes} (sm_90)\n| kernel | registers | stack bytes | shared bytes | instructions "
-              "| loop body |\n|---|---|---|---|---|---|")
+              "| loop body | tile loads first / all |\n|---|---|---|---|---|---|---|")
         for kernel, r in sm90.report(op, "resources", settings.get(name)).items():
             print(f"| {kernel} | {r['registers']} | {r['stack']} | {r['shared']} | {r['instructions']} "
-                  f"| {r['loop']} |", flush=True)
+                  f"| {r['loop']} | {r['loads_first']} / {r['loads']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,10 @@ def op_launches(op, settings=None) -> dict[str, Launch]:
 
 def resources(compiled) -> dict:
     """From cuobjdump of the cubin (Triton bundles it): registers and stack bytes (spilled registers) per thread,
-    shared memory bytes per block, and SASS instructions: in all, and in the largest loop body (a sequential
-    scan's step; 0 without a loop)."""
+    shared memory bytes per block, SASS instructions: in all, and in the largest loop body (a sequential scan's
+    step; 0 without a loop), and the tile loads (64- and 128-bit global loads): in all, and how many are issued
+    before the first shared-memory store. A kernel with few blocks per SM waits on its loads; a load whose layout
+    conversion (shared store, barrier) comes before the next load is issued makes the loads wait one after another."""
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -70,8 +72,11 @@ def resources(compiled) -> dict:
     code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(a - int(t, 16)) // 16 + 1 for a, ins in code for t in re.findall(r"\bBRA\s+(0x[0-9a-f]+)", ins)
              if int(t, 16) < a]
+    wide = [bool(re.search(r"\bLDG\.E\.(64|128)\b", ins)) for _, ins in code]
+    first_store = next((i for i, (_, ins) in enumerate(code) if re.search(r"\bSTS\b", ins)), len(code))
     return dict(registers=int(found["REG"]), stack=int(found["STACK"]), shared=compiled.metadata.shared,
-                instructions=len(code), loop=max(loops, default=0))
+                instructions=len(code), loop=max(loops, default=0), loads=sum(wide),
+                loads_first=sum(wide[:first_store]))
 
 
 def report(op, what: str = "shared", settings=None) -> dict:
