@@ -12,20 +12,43 @@ import triton
 import triton.language as tl
 
 from kernels.rwkv6.fwd import chunk_decays, level_factors
-from kernels.tl_utils import chunk_program, diag_of, load_rows, load_state, mm, run_sums, spare_chunk, store_rows
+from kernels.tl_utils import (chunk_bounds, diag_of, load_rows, load_rows_raw, load_state, mm, run_sums,
+                               store_rows)
 
 
 @triton.jit
 def _bwd_chunk(r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du, scale,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
-    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
-    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
-    b_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
+    """The program waits on its loads (at 255 registers one block of 8 warps fits an SM): every global load of the
+    chunk, the first V tile's too, is issued at once in its own dtype and converted where first used, and no branch
+    precedes them (a spare chunk of a packed batch runs with all-false masks instead of returning early: it reads
+    and stores nothing)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    m_s = ck < tl.where(t0 < eos, K, 0)   # the state's rows (and du's features): none for a spare chunk
+    cv0 = tl.arange(0, BV)
+    h_base = (i_c * H + i_h).to(tl.int64) * K * V
+    x_r = load_rows_raw(r, tok, i_h, H, K, ck, m_t, m_k)
+    x_k = load_rows_raw(k, tok, i_h, H, K, ck, m_t, m_k)
+    x_w = load_rows_raw(w, tok, i_h, H, K, ck, m_t, m_k)
+    x_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.)
+    x_do = load_rows_raw(do, tok, i_h, H, V, cv0, m_t, cv0 < V)
+    x_v = load_rows_raw(v, tok, i_h, H, V, cv0, m_t, cv0 < V)
+    S0_first = load_state(h, h_base, ck, cv0, V, m_s, cv0 < V)
+    dSC_first = load_state(dh, h_base, ck, cv0, V, m_s, cv0 < V)
+    # k and w through a select that changes nothing (as in fwd._fwd_out: it keeps their layout conversions, each a
+    # shared-memory round trip with a barrier, from being moved up between the loads)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_r = x_r.to(tl.float32)
+    b_k = tl.where(m_tk, x_k.to(tl.float32), 0.)
+    b_w = tl.where(m_tk, x_w, 0.)
+    b_u = x_u.to(tl.float32)
     e_before, e_after = chunk_decays(b_w, rows, BT)
     k_end = b_k * e_after
 
@@ -33,14 +56,19 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du,
     d_kS = tl.zeros([BT, BK], dtype=tl.float32)    # v dh^T: the writes' reach to the chunk's end
     dA = tl.zeros([BT, BT], dtype=tl.float32)      # do v^T (the output's scale included, as in do below)
     d_gC = tl.zeros([BK], dtype=tl.float32)
-    h_base = (i_c * H + i_h).to(tl.int64) * K * V
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        cv = i_v * BV + cv0
         m_v = cv < V
-        S0 = load_state(h, h_base, ck, cv, V, m_k, m_v)
-        dSC = load_state(dh, h_base, ck, cv, V, m_k, m_v)
-        b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v) * scale
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+        if i_v == 0:   # (the no-op selects as above: for the transposes of dSC, S0 and v)
+            S0 = tl.where(m_s[:, None], S0_first, 0.)
+            dSC = tl.where(m_s[:, None], dSC_first, 0.)
+            b_do = x_do.to(tl.float32) * scale
+            b_v = tl.where(m_t[:, None], x_v.to(tl.float32), 0.)
+        else:
+            S0 = load_state(h, h_base, ck, cv, V, m_s, m_v)
+            dSC = load_state(dh, h_base, ck, cv, V, m_s, m_v)
+            b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v) * scale
+            b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
         d_rS += mm(b_do, tl.trans(S0), BF16, PREC)
         d_kS += mm(b_v, tl.trans(dSC), BF16, PREC)
         dA += mm(b_do, tl.trans(b_v), BF16, PREC)
@@ -66,16 +94,17 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du,
     dD = diag_of(dA, rows, rows)[:, None]
     d_r += dD * b_u[None, :] * b_k
     d_k += dD * b_u[None, :] * b_r
-    tl.store(du + (i_c * H + i_h).to(tl.int64) * K + ck, tl.sum(dD * b_r * b_k, axis=0), mask=m_k)
+    tl.store(du + (i_c * H + i_h).to(tl.int64) * K + ck, tl.sum(dD * b_r * b_k, axis=0), mask=m_s)
     store_rows(dr, d_r, tok, i_h, H, K, ck, m_t, m_k)
     store_rows(dk, d_k, tok, i_h, H, K, ck, m_t, m_k)
     store_rows(dw, dw_, tok, i_h, H, K, ck, m_t, m_k)
-    # dv = A^T do + (k e^{g_C - g}) dS_C, per V tile (do and dS_C read again: cheaper than holding every tile)
-    A = tl.load(a + (i_c * H + i_h).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :])
+    # dv = A^T do + (k e^{g_C - g}) dS_C, per V tile (do and dS_C read again: cheaper than holding every tile); A
+    # loaded after them, and dS_C through a no-op select, so that no layout conversion comes between the three loads
     for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
+        cv = i_v * BV + cv0
         m_v = cv < V
-        dSC = load_state(dh, h_base, ck, cv, V, m_k, m_v)
+        dSC = load_state(dh, h_base, ck, cv, V, m_s, m_v)
         b_do = load_rows(do, tok, i_h, H, V, cv, m_t, m_v) * scale
-        b_dv = mm(tl.trans(A), b_do, BF16, PREC) + mm(k_end, dSC, BF16, PREC)
+        A = tl.load(a + (i_c * H + i_h).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :])
+        b_dv = mm(tl.trans(A), b_do, BF16, PREC) + mm(k_end, tl.where(m_s[:, None], dSC, 0.), BF16, PREC)
         store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import chunk_program, load_rows, load_state, mm, pair_mask, run_sums, spare_chunk, store_rows
+from kernels.tl_utils import (chunk_bounds, load_rows, load_rows_raw, load_state, mm, pair_mask, run_sums,
+                               store_rows)
 
 
 @triton.jit
@@ -59,23 +60,46 @@ def pairwise(b_r, b_k, b_w, b_u, rows, LEVELS: tl.constexpr, BF16: tl.constexpr,
 def _fwd_out(r, k, v, w, u, h, o, a, cu, chunk_index, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
              PREC: tl.constexpr):
-    if spare_chunk(cu, chunk_index, BT):
-        return
-    i_c, i_h, _, rows, tok, m_t, ck, m_k = chunk_program(cu, chunk_index, BT, BK, K)
-    b_r = load_rows(r, tok, i_h, H, K, ck, m_t, m_k)
-    b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-    b_w = load_rows(w, tok, i_h, H, K, ck, m_t, m_k)
-    b_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
-    A = pairwise(b_r, b_k, b_w, b_u, rows, LEVELS, BF16, PREC)
-    # kept for the backward's dv = A^T do (one fp32 [BT, BT] per chunk and head: cheaper than forming it again)
-    tl.store(a + (i_c * H + i_h).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :], A)
+    """The program waits on its loads (at its register count few blocks fit an SM): every global load of the chunk,
+    the first V tile's state and v too, is issued at once in its own dtype and converted where first used, and no
+    branch precedes them (a spare chunk of a packed batch runs with all-false masks instead of returning early: it
+    reads nothing and stores only zeros, in its own slot of a, which no result depends on)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    rows = tl.arange(0, BT)
+    tok = t0 + rows
+    m_t = tok < eos
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    m_s = ck < tl.where(t0 < eos, K, 0)   # the state's rows: none for a spare chunk
+    cv0 = tl.arange(0, BV)
+    h_base = (i_c * H + i_h).to(tl.int64) * K * V
+    x_r = load_rows_raw(r, tok, i_h, H, K, ck, m_t, m_k)
+    x_k = load_rows_raw(k, tok, i_h, H, K, ck, m_t, m_k)
+    x_w = load_rows_raw(w, tok, i_h, H, K, ck, m_t, m_k)
+    x_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.)
+    x_v = load_rows_raw(v, tok, i_h, H, V, cv0, m_t, cv0 < V)
+    S0_first = load_state(h, h_base, ck, cv0, V, m_s, cv0 < V)
+    # k and w through a select that changes nothing (masked loads give 0): Triton moves a tile's layout conversions
+    # up to its load when only elementwise ops lie between, each a shared-memory round trip with a barrier that
+    # would hold back the loads after it
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_r = x_r.to(tl.float32)
+    b_k = tl.where(m_tk, x_k.to(tl.float32), 0.)
+    b_w = tl.where(m_tk, x_w, 0.)
     e_before, _ = chunk_decays(b_w, rows, BT)
     r_dec = b_r * e_before
-    h_base = (i_c * H + i_h).to(tl.int64) * K * V
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
+    o_first = mm(r_dec, S0_first, BF16, PREC)
+    A = pairwise(b_r, b_k, b_w, x_u.to(tl.float32), rows, LEVELS, BF16, PREC)
+    # kept for the backward's dv = A^T do (one fp32 [BT, BT] per chunk and head: cheaper than forming it again)
+    tl.store(a + (i_c * H + i_h).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :], A)
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        cv = i_v * BV + cv0
         m_v = cv < V
-        S0 = load_state(h, h_base, ck, cv, V, m_k, m_v)
-        b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
-        b_o = mm(r_dec, S0, BF16, PREC) + mm(A, b_v, BF16, PREC)
+        if i_v == 0:
+            b_o = o_first + mm(A, x_v.to(tl.float32), BF16, PREC)
+        else:
+            S0 = load_state(h, h_base, ck, cv, V, m_s, m_v)
+            b_v = load_rows(v, tok, i_h, H, V, cv, m_t, m_v)
+            b_o = mm(r_dec, S0, BF16, PREC) + mm(A, b_v, BF16, PREC)
         store_rows(o, b_o * scale, tok, i_h, H, V, cv, m_t, m_v)
