@@ -85,12 +85,17 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     m_c = cols < BT
-    # the loads of dA1's part issued together, g last (the compiler places its layout conversion right after its
-    # load); A1, D2 and p, first used after dA1's levels, load after them (issued before, they spill)
+    # the loads of dA1's part issued together; A1, D2 and p, first used after dA1's levels, load after them (issued
+    # before, they spill)
     x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
     dZr = load_rows_raw(dz_in, tok, i_h, H, M, cm, m_t, m_m)
     b_g = load_rows_raw(g, tok, i_h, H, M, cm, m_t, m_m)   # (fp32) padded rows read 0
     b_s = x_s.to(tl.float32)
+    # dZr and g through a select that changes nothing (masked loads give 0): it keeps their layout conversions (a
+    # shared-memory round trip with a barrier, which no later load passes) at their first use, not at their loads
+    m_tm = m_t[:, None] & m_m[None, :]
+    dZr = tl.where(m_tm, dZr, 0.)
+    b_g = tl.where(m_tm, b_g, 0.)
     # level by level, so that each level's decays die with it: dA1 first, stored before ds's part
     dA1 = tl.where(rows[:, None] == cols[None, :], tl.sum(dZr * b_s, axis=1)[:, None], 0.)
     for lvl in tl.static_range(LEVELS):
@@ -123,7 +128,7 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         return                             # chunk's states were never written
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    # the prologue's loads issued together, g last (the compiler places its layout conversion right after its load)
+    # the prologue's loads issued together, g last
     x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
     dZr = load_rows_raw(dz_in, tok, i_h, H, M, cm, m_t, m_m)
     A2 = load_rows_raw(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
@@ -131,6 +136,9 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
     dA1 = load_rows_raw(da1, tok, i_h, H, BT, cols, m_t, cols < BT)
     b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     b_s = x_s.to(tl.float32)
+    # dZr through a select that changes nothing (as in _bwd_pairs: its layout conversion stays at its first use)
+    m_tm = m_t[:, None] & m_m[None, :]
+    dZr = tl.where(m_tm, dZr, 0.)
     GC = tl.sum(b_g, axis=0)
     e_end = tl.exp(to_end(b_g, rows))    # e^{sum_{j>t} g_j}: decay to the chunk end
     eG = tl.exp(from_start(b_g, rows))   # e^{G_t}: decay from the chunk start
@@ -182,6 +190,7 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         x_f = load_projection(y, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W)
     x_dg = load_rows_raw(dg, tok, i_h, H, M, cm, m_t, m_m)
     x_dsi = load_rows_raw(dsi, tok, i_h, H, M, cm, m_t, m_m)
+    x_dg = tl.where(m_tm, x_dg, 0.)   # (a no-op select, as dZr's: else dsi's load waits behind dg's conversion)
     dS_end = dS_end * e_end
     b_ds = dS_end + x_dsi
     # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row

@@ -169,8 +169,10 @@ def slot_logits(q, k, hk, hk_sc, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm,
         return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, PREC), A1
     # the parts loaded after the chunk's own writes are summed (fewer registers live through the levels)
     Zr = gated_sum(QH, A1, b_s, b_g, rows, cols, LEVELS, PREC)
-    for i in tl.static_range(NZP):   # (in order: the same sum every run)
-        QH += load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m)
+    m_tm = m_t[:, None] & m_m[None, :]
+    for i in tl.static_range(NZP):   # (in order: the same sum every run; each part through a no-op select, as
+        # _fwd_out's p, so that all parts' loads are issued before their layout conversions)
+        QH += tl.where(m_tm, load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m), 0.)
     return Zr + tl.exp(from_start(b_g, rows)) * QH, A1
 
 
@@ -347,12 +349,14 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, hk_sc, hv_sc, o, p_out, z_o
         store_rows(a1_out, A1, tok, i_h, H, BT, cols, m_t, cols < BT)
     else:
         # a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
-        # s, p and g issued together, g last: the compiler places g's and p's layout conversions right after their
-        # loads, so g still waits behind p's (g first: the same wait, 255 registers and spills)
+        # s, p and g issued together; p through a select that changes nothing (masked loads give 0), which keeps
+        # its layout conversion (a shared-memory round trip with a barrier, which no later load passes) at its
+        # first use instead of right after its load
         x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
         P = load_rows_raw(p_out, tok, i_h, H, M, cm, m_t, m_m)
         b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
         b_s = x_s.to(tl.float32)
+        P = tl.where(m_t[:, None] & m_m[None, :], P, 0.)
         A2 = pair_matrix(P, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
         store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
         Pe = P * tl.exp(from_start(b_g, rows))
