@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.gsa.fwd import chunk_state, from_start, gated_sum, level, load_gates_by_chunk, store_split, to_end
-from kernels.tl_utils import cast_for, chunk_program, diag_of, load_rows, mm, spare_chunk, store_rows
+from kernels.tl_utils import cast_for, chunk_program, diag_of, load_rows, load_rows_raw, mm, spare_chunk, store_rows
 
 
 @triton.jit
@@ -34,17 +34,19 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, hv_sc, p, z, dz_out, dg, pe_out, d
             SC: tl.constexpr):
     """g slot-major (load_gates_by_chunk). Also keeps D2 = do v^T ([T, H, BT], row t of the chunk's tile) for
     _bwd_pairs, and the reverse scans' weights p e^{G} and dZr e^{G} (split in bf16 halves with SPLIT)."""
-    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
-        return
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables): its
+        return                             # chunk's state was never written
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    # the chunk's loads issued together, g last (the compiler places its layout conversion right after its load)
+    x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
+    # the forward's softmax p and slot logits Zr (kept by _fwd_out: recomputing them costs Hk, q and k here)
+    Zr = load_rows_raw(z, tok, i_h, H, M, cm, m_t, m_m)
+    P = load_rows_raw(p, tok, i_h, H, M, cm, m_t, m_m)
     b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    b_s = x_s.to(tl.float32)
     eG = tl.exp(from_start(b_g, rows))
     hbase = (i_c * H + i_h).to(tl.int64) * M
-    # the forward's softmax p and slot logits Zr (kept by _fwd_out: recomputing them costs Hk, q and k here)
-    Zr = load_rows(z, tok, i_h, H, M, cm, m_t, m_m)
-    P = load_rows(p, tok, i_h, H, M, cm, m_t, m_m)
     # dp_t = e^{G_t} (Hv_0 do_t) + sum_{s<=t} (do_t . v_s) e^{G_t - G_s} s_s
     D2 = tl.zeros([BT, BT], dtype=tl.float32)
     dPH = tl.zeros([BT, BM], dtype=tl.float32)
@@ -78,15 +80,22 @@ def _bwd_pairs(s, g, p_in, dz_in, a1, d2, cu, chunk_index, dsi_out, da1_out,
     sum_{t>=s} e^{G_t - G_s} (A1[t, s] dZr_t + D2[t, s] P_t) (A1 = q k^T kept by _fwd_out with A2, D2 = do v^T by
     _bwd_dz). g token-major: on the slot-major copy this kernel spills. ds's levels take fp32 operands: dg cancels
     each pair's share here (-G_s) against the logits' (+G_t, fp32 operands too), and bf16 ones rounded the two apart
-    (dg 1e-2 off fp64 under log gates near -50, 2.6e-3 with these)."""
-    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
-        return
+    (dg 1e-2 off fp64 under log gates near -50, 2.6e-3 with these). Every store is masked by the token mask: a
+    spare chunk of a packed batch runs with all-false masks."""
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
     m_c = cols < BT
-    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g = load_rows(g, tok, i_h, H, M, cm, m_t, m_m)   # padded rows read 0
-    dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
+    # the loads of dA1's part issued together; A1, D2 and p, first used after dA1's levels, load after them (issued
+    # before, they spill)
+    x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
+    dZr = load_rows_raw(dz_in, tok, i_h, H, M, cm, m_t, m_m)
+    b_g = load_rows_raw(g, tok, i_h, H, M, cm, m_t, m_m)   # (fp32) padded rows read 0
+    b_s = x_s.to(tl.float32)
+    # dZr and g through a select that changes nothing (masked loads give 0): it keeps their layout conversions (a
+    # shared-memory round trip with a barrier, which no later load passes) at their first use, not at their loads
+    m_tm = m_t[:, None] & m_m[None, :]
+    dZr = tl.where(m_tm, dZr, 0.)
+    b_g = tl.where(m_tm, b_g, 0.)
     # level by level, so that each level's decays die with it: dA1 first, stored before ds's part
     dA1 = tl.where(rows[:, None] == cols[None, :], tl.sum(dZr * b_s, axis=1)[:, None], 0.)
     for lvl in tl.static_range(LEVELS):
@@ -115,20 +124,25 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
     W > 0: the features came from the stacked projection y [T, W] = (q | k | v | f) (projection.py):
     the gradient of y is stored in dy through the feature maps (silu on q, k, v; g = logsigmoid(f) * inv_norm,
     s = 1 - e^g), in place of dq, dk, dv, ds and dg (dg is still this kernel's scratch)."""
-    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
-        return
+    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables): its
+        return                             # chunk's states were never written
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+    # the prologue's loads issued together, g last
+    x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
+    dZr = load_rows_raw(dz_in, tok, i_h, H, M, cm, m_t, m_m)
+    A2 = load_rows_raw(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
+    # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
+    dA1 = load_rows_raw(da1, tok, i_h, H, BT, cols, m_t, cols < BT)
     b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+    b_s = x_s.to(tl.float32)
+    # dZr through a select that changes nothing (as in _bwd_pairs: its layout conversion stays at its first use)
+    m_tm = m_t[:, None] & m_m[None, :]
+    dZr = tl.where(m_tm, dZr, 0.)
     GC = tl.sum(b_g, axis=0)
     e_end = tl.exp(to_end(b_g, rows))    # e^{sum_{j>t} g_j}: decay to the chunk end
     eG = tl.exp(from_start(b_g, rows))   # e^{G_t}: decay from the chunk start
     s_end = b_s * e_end
-    dZr = load_rows(dz_in, tok, i_h, H, M, cm, m_t, m_m)
-    A2 = load_rows(a2, tok, i_h, H, BT, cols, m_t, cols < BT)
-    # dA1[t, s] = sum_m dZr[t, m] e^{G_t - G_s} s[s, m]: the gradient of q_t . k_s
-    dA1 = load_rows(da1, tok, i_h, H, BT, cols, m_t, cols < BT)
     dZe = dZr * eG
     hbase = (i_c * H + i_h).to(tl.int64) * M
     dS_end = tl.zeros([BT, BM], dtype=tl.float32)   # ds through the chunk-end states, before e^{G_C - G}
@@ -138,9 +152,10 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
         m_k = ck < K
         b_q = load_rows(q, tok, i_h, H, K, ck, m_t, m_k)
         b_k = load_rows(k, tok, i_h, H, K, ck, m_t, m_k)
-        if W > 0:   # loaded ahead of the products, which then hide the loads' latency
-            y_q = load_projection(y, tok, i_h * K, ck, m_t, m_k, W)
+        if W > 0:   # loaded ahead of the products, which then hide the loads' latency; k's part first (the
+            # compiler places q's part's layout conversion right after its load, which held a later load back)
             y_k = load_projection(y, tok, (H + i_h) * K, ck, m_t, m_k, W)
+            y_q = load_projection(y, tok, i_h * K, ck, m_t, m_k, W)
         b_h = chunk_state(hk, hk_sc, hbase * K, cm, ck, i_k * BK, K, m_m, m_k, SC)
         b_dh = chunk_state(dhk, dhk_sc, hbase * K, cm, ck, i_k * BK, K, m_m, m_k, SC)
         dS_end += tl.dot(b_k, tl.trans(b_dh), input_precision=PREC)
@@ -170,17 +185,22 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
             store_silu_grad(dy, y_v, b_dv, tok, 2 * H * K + i_h * V, cv, m_t, m_v, W)
         else:
             store_rows(dv, b_dv, tok, i_h, H, V, cv, m_t, m_v)
+    # the loads of the epilogue issued together (held through the loops, they spill under the register cap)
+    if W > 0:
+        x_f = load_projection(y, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W)
+    x_dg = load_rows_raw(dg, tok, i_h, H, M, cm, m_t, m_m)
+    x_dsi = load_rows_raw(dsi, tok, i_h, H, M, cm, m_t, m_m)
+    x_dg = tl.where(m_tm, x_dg, 0.)   # (a no-op select, as dZr's: else dsi's load waits behind dg's conversion)
     dS_end = dS_end * e_end
-    b_ds = dS_end + load_rows(dsi, tok, i_h, H, M, cm, m_t, m_m)
+    b_ds = dS_end + x_dsi
     # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row
     dGC = dGC * tl.exp(GC) + tl.sum(b_s * dS_end, axis=0)
-    dG = load_rows(dg, tok, i_h, H, M, cm, m_t, m_m) - b_s * b_ds \
-        + tl.where(rows[:, None] == BT - 1, dGC[None, :], 0.)
+    dG = x_dg - b_s * b_ds + tl.where(rows[:, None] == BT - 1, dGC[None, :], 0.)
     # dg_j = sum_{t>=j} dG_t: a scan (as a run sum, a product, this kernel spills 120 more bytes under its cap)
     b_dg = tl.cumsum(dG, axis=0, reverse=True)
     if W > 0:
         # s = 1 - e^g adds -e^g ds to g's gradient; d logsigmoid(f) / df = sigmoid(-f)
-        f = load_projection(y, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W).to(tl.float32)
+        f = x_f.to(tl.float32)
         b_df = (b_dg - b_ds * tl.exp(b_g)) * inv_norm * tl.sigmoid(-f)
         store_projection(dy, b_df, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W)
     else:

@@ -169,8 +169,10 @@ def slot_logits(q, k, hk, hk_sc, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm,
         return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, PREC), A1
     # the parts loaded after the chunk's own writes are summed (fewer registers live through the levels)
     Zr = gated_sum(QH, A1, b_s, b_g, rows, cols, LEVELS, PREC)
-    for i in tl.static_range(NZP):   # (in order: the same sum every run)
-        QH += load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m)
+    m_tm = m_t[:, None] & m_m[None, :]
+    for i in tl.static_range(NZP):   # (in order: the same sum every run; each part through a no-op select, as
+        # _fwd_out's p, so that all parts' loads are issued before their layout conversions)
+        QH += tl.where(m_tm, load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m), 0.)
     return Zr + tl.exp(from_start(b_g, rows)) * QH, A1
 
 
@@ -300,14 +302,15 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
                   H: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
     """Per chunk: the forward scans' slot writes decayed to the chunk's end, s e^{sum_{j>t} g_j} (split in bf16
     halves with SPLIT), and e^{G_C}, so that the scans' sequential loops only load them; and g slot-major
-    (tl_utils.by_chunk) for the per-chunk kernels."""
-    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
-        return
+    (tl_utils.by_chunk) for the per-chunk kernels. Both loads are issued before either is used, s first (the
+    compiler places g's shared-memory conversion right after g's load, and a load after that waited behind it); a
+    spare chunk of a packed batch runs with all-false token masks instead of returning early: it stores zeros into
+    its own columns of gf and ones into its own e^{G_C}, which no other program reads."""
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
-    b_g = load_rows(g, tok, i_h, H, M, cm, m_t, m_m)   # padded rows read 0
+    x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
+    b_g = load_rows_raw(g, tok, i_h, H, M, cm, m_t, m_m)   # (fp32) padded rows read 0
+    b_sE = x_s.to(tl.float32) * tl.exp(to_end(b_g, rows))
     tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
-    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_sE = b_s * tl.exp(to_end(b_g, rows))
     if SPLIT:
         store_split(sE, b_sE, tok, i_h, H, M, cm, m_t, m_m)
     else:
@@ -326,15 +329,17 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, hk_sc, hv_sc, o, p_out, z_o
     PASS "decayed": (stateless forward) A2 and p e^{G} (pe_out, fp32 [T, H, M]) from p, for _out_scan, which forms
                     the output.
     NZP > 0: q Hk^T comes in NZP parts from the key scan (zp; scan_tile's LOGITS), hk is not read.
-    A1 and A2 are [T, H, BT]: row t of the chunk's tile."""
-    if spare_chunk(cu, chunk_index, BT):   # a spare program of a packed batch (kernels.utils.chunk_tables)
-        return
+    A1 and A2 are [T, H, BT]: row t of the chunk's tile. Every store is masked by the token mask: PASS "decayed",
+    which reads no chunk state, runs a spare chunk of a packed batch with all-false masks instead of returning."""
+    if PASS != "decayed":   # a spare program of a packed batch (kernels.utils.chunk_tables): its chunk's states
+        if spare_chunk(cu, chunk_index, BT):   # were never written
+            return
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     cols = tl.arange(0, BT)
-    b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
-    b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     hbase = (i_c * H + i_h).to(tl.int64) * M
     if PASS == "softmax":
+        b_s = load_rows(s, tok, i_h, H, M, cm, m_t, m_m)
+        b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
         Zr, A1 = slot_logits(q, k, hk, hk_sc, hbase * K, b_s, b_g, tok, i_h, m_t, rows, cols, cm, m_m,
                              H, K, M, BT, BK, BM, LEVELS, BF16, PREC, SC, zp, NZP)
         P = slot_softmax(scale * Zr, m_t, m_m)
@@ -344,7 +349,14 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, hk_sc, hv_sc, o, p_out, z_o
         store_rows(a1_out, A1, tok, i_h, H, BT, cols, m_t, cols < BT)
     else:
         # a gated linear attention read by P: o_t = (p_t e^{G_t}) Hv_0 + sum_{s<=t} A2[t, s] v_s
-        P = load_rows(p_out, tok, i_h, H, M, cm, m_t, m_m)
+        # s, p and g issued together; p through a select that changes nothing (masked loads give 0), which keeps
+        # its layout conversion (a shared-memory round trip with a barrier, which no later load passes) at its
+        # first use instead of right after its load
+        x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
+        P = load_rows_raw(p_out, tok, i_h, H, M, cm, m_t, m_m)
+        b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
+        b_s = x_s.to(tl.float32)
+        P = tl.where(m_t[:, None] & m_m[None, :], P, 0.)
         A2 = pair_matrix(P, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
         store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
         Pe = P * tl.exp(from_start(b_g, rows))
