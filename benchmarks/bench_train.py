@@ -11,7 +11,8 @@ Each config and variant runs `scripts/launch.sh` (torchrun, each count of --npro
 synthetic token stream (no data loading cost, no checkpoints); "hsdp" replicates over 2 groups and shards within
 each; "cp" splits every row over all the processes (context parallelism) at the sequence length times their count,
 so that each process holds the single process's tokens and its scaling is the goal's "per GPU at a quarter of the
-context"; "cp-chain" is "cp" with parallelism.context_parallel_exchange = "chain". The first half of the steps warms up (compilation, autotuning, allocator); the figures come from the metrics
+context"; "cp-gather" is "cp" with parallelism.context_parallel_exchange = "gather" (the default is the chain).
+The first half of the steps warms up (compilation, autotuning, allocator); the figures come from the metrics
 of the second half only, one line per step: the median step's tokens/s and MFU, the peak memory. Time to first step:
 from the start of a rank's process to the end of its first step (imports, building, compiling, autotuning).
 
@@ -49,7 +50,7 @@ VARIANTS = {
     "compile+sac": ["--training.compile=true", SAC],
     "hsdp": ["--parallelism.dp_replicate=2"],
     "cp": [],  # context_parallel_degree and seq_len from the process count: cp_args
-    "cp-chain": ["--parallelism.context_parallel_exchange=chain"],  # "cp" through the send/recv chain
+    "cp-gather": ["--parallelism.context_parallel_exchange=gather"],  # "cp" through the all-gathers
 }
 FLA_MODELS = ("rwkv7", "gsa")
 """flame models with an FLA counterpart (flame/convert_fla.py)."""

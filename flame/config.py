@@ -147,10 +147,11 @@ class ParallelismConfig:
     Processes = dp_replicate x dp_shard x this; the ranks of one group read the same rows, so the global batch is
     batch_size x accumulation x dp_replicate x dp_shard sequences; FSDP shards over dp_shard x this.
     training.seq_len must be a multiple of this x 64."""
-    context_parallel_exchange: Literal["gather", "chain"] = "gather"
-    """How the pieces of a row exchange what crosses their boundaries (docs/context_parallel.md). gather: every rank
-    computes its piece's transition beside its outputs and all-gathers states and tokens. chain: rank r waits for rank
-    r - 1's state of each layer and sends its own on, computing nothing twice."""
+    context_parallel_exchange: Literal["gather", "chain"] = "chain"
+    """How the pieces of a row exchange what crosses their boundaries (docs/context_parallel.md). chain: rank r waits
+    for rank r - 1's state of each layer and sends its own on, computing nothing twice (faster and leaner than the
+    gather at cp 2 and 4, docs/benchmarks.md). gather: every rank computes its piece's transition beside its outputs
+    and all-gathers states and tokens."""
     fsdp_wrap: Literal["blocks", "model"] = "blocks"
     """FSDP's units. blocks: each block its own (its parameters gathered just before it runs, its gradients reduced
     as soon as they exist: communication overlaps the step); model: one unit, one all-gather before the forward and
