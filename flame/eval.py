@@ -244,19 +244,27 @@ def evaluate(model: nn.Module, tokenizer, texts: Iterator[str], *, seq_len: int,
     return EvalResult(n_tokens, counted[0], loss_sum)
 
 
-def join_job(device: str) -> tuple[int, int, torch.device]:
-    """(rank, world size, this rank's device): the torchrun job's when WORLD_SIZE > 1, else (0, 1, device)."""
+def job_layout(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device): the torchrun job's when WORLD_SIZE > 1, else (0, 1, device). Joins
+    nothing: every rank checks its inputs before join_job, so that a rank that fails never leaves another inside
+    the process group's setup (rank 0 exiting there made the others fail with a traceback)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1, torch.device(device)
+    rank = int(os.environ["RANK"])
     if torch.device(device).type == "cuda":
         local = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=local)
+        return rank, world_size, local
+    return rank, world_size, torch.device(device)
+
+
+def join_job(device: torch.device) -> None:
+    """The process group of a job of several ranks (job_layout)."""
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
     else:
-        local = torch.device(device)
         dist.init_process_group("gloo")
-    return dist.get_rank(), world_size, local
 
 
 def all_reduce(result: EvalResult, rank: int, device: torch.device) -> EvalResult:
@@ -313,9 +321,11 @@ def main(argv: list[str] | None = None) -> None:
             if value is not None and value < 1:
                 raise EvalError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}")
         plans = file_plans(a.data, a.text_field)
-        rank, world_size, device = join_job(a.device)
+        rank, world_size, device = job_layout(a.device)
         model, loaded = load_model(a.model, device, a.step)
         tokenizer = load_tokenizer(loaded, a.model, a.tokenizer, a.eos_token)
+        if world_size > 1:
+            join_job(device)
     except (EvalError, ConvertError) as e:
         fail(str(e))
     except ValueError as e:  # weights that do not fit the model's own config
