@@ -11,9 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv6.fwd import chunk_decays, level_factors
-from kernels.tl_utils import (chunk_bounds, diag_of, load_rows, load_rows_raw, load_state, mm, run_sums,
-                               store_rows)
+from kernels.rwkv6.fwd import chunk_decays, chunk_start, level_factors, rkw_tiles
+from kernels.tl_utils import diag_of, load_rows, load_rows_raw, load_state, mm, run_sums, store_rows
 
 
 @triton.jit
@@ -24,30 +23,14 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du,
     chunk, the first V tile's too, is issued at once in its own dtype and converted where first used, and no branch
     precedes them (a spare chunk of a packed batch runs with all-false masks instead of returning early: it reads
     and stores nothing)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
-    rows = tl.arange(0, BT)
-    tok = t0 + rows
-    m_t = tok < eos
-    ck = tl.arange(0, BK)
-    m_k = ck < K
-    m_s = ck < tl.where(t0 < eos, K, 0)   # the state's rows (and du's features): none for a spare chunk
-    cv0 = tl.arange(0, BV)
-    h_base = (i_c * H + i_h).to(tl.int64) * K * V
-    x_r = load_rows_raw(r, tok, i_h, H, K, ck, m_t, m_k)
-    x_k = load_rows_raw(k, tok, i_h, H, K, ck, m_t, m_k)
-    x_w = load_rows_raw(w, tok, i_h, H, K, ck, m_t, m_k)
-    x_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.)
+    # m_s: the state's rows and du's features (none for a spare chunk)
+    i_c, i_h, rows, tok, m_t, ck, m_k, m_s, cv0, h_base, x_r, x_k, x_w, x_u = chunk_start(
+        r, k, w, u, cu, chunk_index, H, K, V, BT, BK, BV)
     x_do = load_rows_raw(do, tok, i_h, H, V, cv0, m_t, cv0 < V)
     x_v = load_rows_raw(v, tok, i_h, H, V, cv0, m_t, cv0 < V)
     S0_first = load_state(h, h_base, ck, cv0, V, m_s, cv0 < V)
     dSC_first = load_state(dh, h_base, ck, cv0, V, m_s, cv0 < V)
-    # k and w through a select that changes nothing (as in fwd._fwd_out: it keeps their layout conversions, each a
-    # shared-memory round trip with a barrier, from being moved up between the loads)
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_r = x_r.to(tl.float32)
-    b_k = tl.where(m_tk, x_k.to(tl.float32), 0.)
-    b_w = tl.where(m_tk, x_w, 0.)
+    b_r, b_k, b_w = rkw_tiles(x_r, x_k, x_w, m_t, m_k)
     b_u = x_u.to(tl.float32)
     e_before, e_after = chunk_decays(b_w, rows, BT)
     k_end = b_k * e_after

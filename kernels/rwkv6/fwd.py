@@ -57,13 +57,11 @@ def pairwise(b_r, b_k, b_w, b_u, rows, LEVELS: tl.constexpr, BF16: tl.constexpr,
 
 
 @triton.jit
-def _fwd_out(r, k, v, w, u, h, o, a, cu, chunk_index, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
-             PREC: tl.constexpr):
-    """The program waits on its loads (at its register count few blocks fit an SM): every global load of the chunk,
-    the first V tile's state and v too, is issued at once in its own dtype and converted where first used, and no
-    branch precedes them (a spare chunk of a packed batch runs with all-false masks instead of returning early: it
-    reads nothing and stores only zeros, in its own slot of a, which no result depends on)."""
+def chunk_start(r, k, w, u, cu, chunk_index, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr):
+    """The per-chunk kernels' prologue, up to their first loads (r, k, w in their own dtype, and u): the program's
+    chunk and head, rows, tokens and their mask, features and their mask, the state's rows (none for a spare chunk
+    of a packed batch), the first V tile's columns and the chunk's state offset."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
     rows = tl.arange(0, BT)
@@ -71,22 +69,38 @@ def _fwd_out(r, k, v, w, u, h, o, a, cu, chunk_index, scale, H: tl.constexpr, K:
     m_t = tok < eos
     ck = tl.arange(0, BK)
     m_k = ck < K
-    m_s = ck < tl.where(t0 < eos, K, 0)   # the state's rows: none for a spare chunk
+    m_s = ck < tl.where(t0 < eos, K, 0)
     cv0 = tl.arange(0, BV)
     h_base = (i_c * H + i_h).to(tl.int64) * K * V
     x_r = load_rows_raw(r, tok, i_h, H, K, ck, m_t, m_k)
     x_k = load_rows_raw(k, tok, i_h, H, K, ck, m_t, m_k)
     x_w = load_rows_raw(w, tok, i_h, H, K, ck, m_t, m_k)
     x_u = tl.load(u + i_h * K + ck, mask=m_k, other=0.)
+    return i_c, i_h, rows, tok, m_t, ck, m_k, m_s, cv0, h_base, x_r, x_k, x_w, x_u
+
+
+@triton.jit
+def rkw_tiles(x_r, x_k, x_w, m_t, m_k):
+    """r, k and w of chunk_start as fp32 tiles, once every load is issued. k and w pass through a select that changes
+    nothing (masked loads give 0): Triton moves a tile's layout conversions up to its load when only elementwise ops
+    lie between, each a shared-memory round trip with a barrier that would hold back the loads after it."""
+    m_tk = m_t[:, None] & m_k[None, :]
+    return x_r.to(tl.float32), tl.where(m_tk, x_k.to(tl.float32), 0.), tl.where(m_tk, x_w, 0.)
+
+
+@triton.jit
+def _fwd_out(r, k, v, w, u, h, o, a, cu, chunk_index, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, BF16: tl.constexpr,
+             PREC: tl.constexpr):
+    """The program waits on its loads (at its register count few blocks fit an SM): every global load of the chunk,
+    the first V tile's state and v too, is issued at once in its own dtype and converted where first used, and no
+    branch precedes them (a spare chunk of a packed batch runs with all-false masks instead of returning early: it
+    reads nothing and stores only zeros, in its own slot of a, which no result depends on)."""
+    i_c, i_h, rows, tok, m_t, ck, m_k, m_s, cv0, h_base, x_r, x_k, x_w, x_u = chunk_start(
+        r, k, w, u, cu, chunk_index, H, K, V, BT, BK, BV)
     x_v = load_rows_raw(v, tok, i_h, H, V, cv0, m_t, cv0 < V)
     S0_first = load_state(h, h_base, ck, cv0, V, m_s, cv0 < V)
-    # k and w through a select that changes nothing (masked loads give 0): Triton moves a tile's layout conversions
-    # up to its load when only elementwise ops lie between, each a shared-memory round trip with a barrier that
-    # would hold back the loads after it
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_r = x_r.to(tl.float32)
-    b_k = tl.where(m_tk, x_k.to(tl.float32), 0.)
-    b_w = tl.where(m_tk, x_w, 0.)
+    b_r, b_k, b_w = rkw_tiles(x_r, x_k, x_w, m_t, m_k)
     e_before, _ = chunk_decays(b_w, rows, BT)
     r_dec = b_r * e_before
     o_first = mm(r_dec, S0_first, BF16, PREC)
