@@ -246,8 +246,8 @@ def evaluate(model: nn.Module, tokenizer, texts: Iterator[str], *, seq_len: int,
 
 def job_layout(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device): the torchrun job's when WORLD_SIZE > 1, else (0, 1, device). Joins
-    nothing: every rank checks its inputs before join_job, so that a rank that fails never leaves another inside
-    the process group's setup (rank 0 exiting there made the others fail with a traceback)."""
+    nothing: every rank checks its inputs before join_job, so that a rank failing on bad input never leaves another
+    inside the process group's setup, where it would fail with a traceback."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return 0, 1, torch.device(device)
