@@ -29,27 +29,29 @@ def main():
     p.add_argument("--logits", action="store_true",
                    help="rwkv7: the decay from bf16 logits and a bias (w_bias), as the model calls it")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        p.exit(2, "sanitize_kernel: needs a CUDA GPU\n")
     try:
         shape = tuple(int(n) for n in args.shape.split(","))
     except ValueError:
         p.exit(2, f"sanitize_kernel: shape must be integers joined by commas, got {args.shape!r}\n")
-    make_inputs = importlib.import_module(f"tests.kernels.test_{args.op}").make_inputs
-    op = getattr(importlib.import_module(f"kernels.{args.op}"), f"chunk_{args.op}")
     if len(shape) != (6 if args.op == "gsa" else 5):
         p.exit(2, f"sanitize_kernel: wrong number of sizes for {args.op}: {args.shape}\n")
     if args.projection and (args.op != "gsa" or shape[3] != shape[4]):
         p.exit(2, "sanitize_kernel: --projection is GSA's, with K = V\n")
     if args.logits and args.op != "rwkv7":
         p.exit(2, "sanitize_kernel: --logits is RWKV-7's\n")
+    # the tests' own input makers and the ops, found before the GPU is asked for, so that a moved piece fails on
+    # any machine (tests/test_gpu_tool_pieces.py) rather than in the next GPU session
+    inputs = importlib.import_module("tests.kernels.inputs")
+    make_inputs = getattr(inputs, f"{args.op}_inputs")
+    op = getattr(importlib.import_module(f"kernels.{args.op}"), f"chunk_{args.op}")
+    from kernels.gsa import chunk_gsa_from_projection
+    if not torch.cuda.is_available():
+        p.exit(2, "sanitize_kernel: needs a CUDA GPU\n")
     if args.logits:
-        logit_inputs = importlib.import_module("tests.kernels.test_rwkv7").logit_inputs
-        xs, z, bias, _ = logit_inputs(*shape, device="cuda", dtype=torch.bfloat16)
+        xs, z, bias, _ = inputs.rwkv7_logit_inputs(*shape, device="cuda", dtype=torch.bfloat16)
         r, _, k, v, a, b = (x.requires_grad_() for x in xs)
         out = op(r, z.requires_grad_(), k, v, a, b, w_bias=bias.requires_grad_())
     elif args.projection:
-        from kernels.gsa import chunk_gsa_from_projection
         B, T, H, K, V, M = shape
         y = torch.randn(B, T, 3 * H * K + H * M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         out = chunk_gsa_from_projection(y, H, K, M, 8.0)
