@@ -152,15 +152,22 @@ class ParallelismConfig:
     for rank r - 1's state of each layer and sends its own on, computing nothing twice (faster and leaner than the
     gather at cp 2 and 4, docs/benchmarks.md). gather: every rank computes its piece's transition beside its outputs
     and all-gathers states and tokens."""
-    fsdp_wrap: Literal["blocks", "model"] = "blocks"
+    fsdp_wrap: Literal["auto", "blocks", "model"] = "auto"
     """FSDP's units. blocks: each block its own (its parameters gathered just before it runs, its gradients reduced
     as soon as they exist: communication overlaps the step); model: one unit, one all-gather before the forward and
     one reduce-scatter after the backward, with none of FSDP's per-block work on the host (about 5 ms a layer and
     step at 0.6B) and no per-layer collective holding the ranks in step (context parallelism's chain); costs the whole
-    model's gathered bf16 parameters and unreduced fp32 gradients at once."""
+    model's gathered bf16 parameters and unreduced fp32 gradients at once. auto: model with context parallelism
+    (faster at cp 2 and 4 for RWKV-7 and GSA, docs/benchmarks.md), blocks without."""
     collective_timeout_sec: float = 600.0
     """Seconds every rank may take to reach a step or a collective; past it the job fails naming the ranks that did
     not arrive (a hung or lost rank), instead of torch's 30 minutes of silence."""
+
+    def fsdp_units(self) -> str:
+        """fsdp_wrap with "auto" resolved: "blocks" or "model"."""
+        if self.fsdp_wrap != "auto":
+            return self.fsdp_wrap
+        return "model" if self.context_parallel_degree > 1 else "blocks"
 
     def validate(self) -> None:
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard", "-1 or an integer >= 1",

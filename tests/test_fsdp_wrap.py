@@ -1,6 +1,7 @@
 """parallelism.fsdp_wrap: "blocks" makes each block of model.layers an FSDP unit beside the root, "model" the root
-alone (one all-gather and one reduce-scatter per step); both hold every parameter as a DTensor shard. Training with
-"model" is checked against one process in tests/test_context_parallel_train.py (the chain at cp 2)."""
+alone (one all-gather and one reduce-scatter per step); both hold every parameter as a DTensor shard; "auto" (the
+default) is "model" with context parallelism and "blocks" without. Training with either is checked against one process
+in tests/test_context_parallel_train.py (cp 2: the chain with the default, the gather with "blocks")."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ def test_fsdp_units(monkeypatch, wrap):
         dist.destroy_process_group()
         for k in ENV:
             os.environ.pop(k, None)
+
+
+@pytest.mark.parametrize("wrap, cp, units", [("auto", 1, "blocks"), ("auto", 2, "model"), ("auto", 4, "model"),
+                                            ("blocks", 2, "blocks"), ("model", 1, "model")])
+def test_auto_is_one_unit_with_context_parallelism(wrap, cp, units):
+    assert ParallelismConfig(fsdp_wrap=wrap, context_parallel_degree=cp).fsdp_units() == units
