@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from flame.checkpoint import complete_steps
 from tests.helpers import REPO, env, read_metrics, run_processes, wait_for_step
@@ -17,10 +18,23 @@ ARGS = ["--training.seq_len=512", "--training.batch_size=4", "--validation.enabl
         "--training.steps=1000"]
 
 
-def wait_for_line(path, text, proc, timeout=30):
+def launcher_state(proc, out):
+    """What a failure shows: the run's stdout tail and the launcher's state and signal masks (/proc: a SIGINT that
+    bash ignores, blocks or has pending)."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        keys = ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+        masks = [line for line in status if line.startswith(keys)]
+    except OSError:
+        masks = ["(launcher gone)"]
+    return f"stdout: {out.read_text()[-1500:]}\nlauncher: {masks}"
+
+
+def wait_for_line(path, text, proc, out, timeout=30):
     start = time.time()
     while text not in path.read_text():
-        assert proc.poll() is None and time.time() - start < timeout, path.read_text()[-3000:]
+        assert proc.poll() is None and time.time() - start < timeout, (
+            f"stderr: {path.read_text()[-1500:]}\n{launcher_state(proc, out)}")
         time.sleep(0.02)
 
 
@@ -33,7 +47,7 @@ def test_second_ctrl_c_stops_at_once_saving_nothing(tmp_path):
     try:
         wait_for_step(dump, proc, 1)   # step 1 logged: step 2 has just begun
         os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C in a terminal: the launcher's whole process group
-        wait_for_line(err, "stopping after this step with a checkpoint", proc)
+        wait_for_line(err, "stopping after this step with a checkpoint", proc, out)
         time.sleep(0.3)   # the launcher has forwarded it to the rank, whose step 2 is still running
         assert proc.poll() is None and len(run_processes(dump)) >= 5   # launcher, torchrun, rank, 2 data workers
         os.killpg(proc.pid, signal.SIGINT)
