@@ -133,8 +133,8 @@ def test_cp2_checkpoint_resumes_on_one_process_and_not_as_data_parallel(referenc
 def test_rwkv7_gather_repeats_one_process(tmp_path, tokenizer):
     """RWKV-7 with parallelism.context_parallel_exchange = "gather" (each rank computes its piece's transition and
     all-gathers states and last tokens; the other tests here run the default, the chain) and a unit per block
-    (parallelism.fsdp_wrap = "blocks"; with cp the default is the whole model one unit): 2 ranks at cp 2 repeat one process's losses and gradient norms over 6 steps
-    of packed documents crossing the boundary."""
+    (parallelism.fsdp_wrap = "blocks"; with cp the default is the whole model one unit): 2 ranks at cp 2 repeat one
+    process's losses and gradient norms over 6 steps of packed documents crossing the boundary."""
     common = [f"--data.tokenizer={tokenizer}", "--model.vocab_size=512", "--data.varlen=true", "--data.num_workers=0",
               "--training.batch_size=1", "--training.seq_len=512", "--training.steps=6", "--checkpoint.enable=false",
               "--metrics.log_freq=1", "--validation.enable=false"]
