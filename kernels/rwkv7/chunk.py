@@ -94,9 +94,10 @@ class Settings:
 
 
 def kept_dtype(r: torch.Tensor, s: Settings) -> torch.dtype:
-    """dtype of the chunk states h and of U, kept for the backward, and of dZ (from _bwd_scan to _bwd_chunk): bf16
-    where _bwd_chunk's products take bf16 operands (its only reads of U and dZ are such products; h also enters the
-    chunk decay's gradient sum(S0 * dS_C)), else fp32."""
+    """dtype of the chunk states h, of U and A_ak, kept for the backward, and of dZ (from _bwd_scan to _bwd_chunk):
+    bf16 where _bwd_chunk's products take bf16 operands (its only reads of U, A_ak and dZ are such products, and
+    _fwd_prep's own product with A_ak too, so a bf16 A_ak gives the results of an fp32 one; h also enters the chunk
+    decay's gradient sum(S0 * dS_C)), else fp32."""
     return torch.bfloat16 if s.bf16(r) else torch.float32
 
 
@@ -111,7 +112,10 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     f32 = dict(device=r.device, dtype=torch.float32)
     W = torch.empty(1, T, H, K, **f32)
     Uv = torch.empty(1, T, H, V, **f32)
-    Arb, Ark, Aak, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(4))
+    Arb, Ark, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(3))
+    # what only the backward's bf16 products read is stored in bf16 (half the memory kept per layer)
+    kept = dict(device=r.device, dtype=kept_dtype(r, s))
+    Aak = torch.empty(1, T, H, BT, **kept)
     # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
     TT = NT * BT
     wf = torch.empty(H, K, TT, **f32)
@@ -119,8 +123,6 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
            DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
            LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps,
            maxnreg=s.prep_maxnreg)
-    # what only the backward's bf16 products read is stored in bf16 (half the memory kept per layer)
-    kept = dict(device=r.device, dtype=kept_dtype(r, s))
     h = torch.empty(NT, H, K, V, **kept)
     U = torch.empty(1, T, H, V, **kept)
     o = torch.empty_like(v)
@@ -269,7 +271,7 @@ def _fake_forward(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, set
         Mb = f32(chunk_count(N, BT * s.block_chunks, T, seq_len or None), H, K, K)
     kept = lambda *shape: r.new_empty(shape, dtype=kept_dtype(r, s))  # noqa: E731
     return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, kept(NT, H, K, V), kept(1, T, H, V),
-            *(f32(1, T, H, BT) for _ in range(4)), f32(H, K, NT * BT), Mb)
+            f32(1, T, H, BT), f32(1, T, H, BT), kept(1, T, H, BT), f32(1, T, H, BT), f32(H, K, NT * BT), Mb)
 
 
 def _backward_op(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do,
