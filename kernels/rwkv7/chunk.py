@@ -95,9 +95,8 @@ class Settings:
 
 def kept_dtype(r: torch.Tensor, s: Settings) -> torch.dtype:
     """dtype of the chunk states h, of U and A_ak, kept for the backward, and of dZ (from _bwd_scan to _bwd_chunk):
-    bf16 where _bwd_chunk's products take bf16 operands (its only reads of U, A_ak and dZ are such products, and
-    _fwd_prep's own product with A_ak too, so a bf16 A_ak gives the results of an fp32 one; h also enters the chunk
-    decay's gradient sum(S0 * dS_C)), else fp32."""
+    bf16 where _bwd_chunk's products take bf16 operands (its only reads of U, A_ak and dZ are such products, so bf16
+    copies give the results of fp32 ones; h also enters the chunk decay's gradient sum(S0 * dS_C)), else fp32."""
     return torch.bfloat16 if s.bf16(r) else torch.float32
 
 
