@@ -115,6 +115,9 @@ class TrainingConfig:
     max_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping (the norm is still logged)."""
     seed: int = 42
+    """Seeds the initial weights and the data order. The weights are drawn on the training device: the same on any
+    number of ranks, but a CPU run and a GPU run start from different ones (CPU and CUDA draw different random numbers;
+    checkpoint.init_from gives both the same)."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Parameter dtype in forward/backward on GPU (FSDP MixedPrecisionPolicy). CPU always runs fp32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"

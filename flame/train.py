@@ -114,7 +114,8 @@ class Trainer:
 
     def build_and_shard_model(self, resume_step: int | None) -> None:
         """Built on the meta device, materialized and initialized whole on every rank with the same seed (so the
-        weights do not depend on the number of ranks), then sharded."""
+        weights do not depend on the number of ranks; they do on the device type, whose random numbers differ), then
+        sharded."""
         cfg, t, c = self.cfg, self.cfg.training, self.cfg.checkpoint
         self.startup.stage(f"building the model ({cfg.model.name}) on {self.device.type}")
         with torch.device("meta"):
