@@ -22,9 +22,11 @@ import traceback
 
 import flame.train  # noqa: F401  (the slow imports, done once)
 # and those every job makes after it starts: building a model on the meta device imports Dynamo (torch's reference
-# ops go through it), wrapping blocks torchtitan's checkpointing (a second or more of imports per job on 2 cores)
-import flame.activation_checkpoint  # noqa: F401,E402
-import torch._dynamo  # noqa: F401,E402
+# ops go through it), wrapping blocks torchtitan's checkpointing, the schedule torchtitan's scheduler container (a
+# second or more of imports per job on 2 cores)
+import flame.activation_checkpoint  # noqa: F401
+import torch._dynamo  # noqa: F401
+import torchtitan.components.optimizer.lr_scheduler  # noqa: F401
 
 GRACE = 30.0
 """Seconds the other ranks of a job get to end after one has failed, before they are killed."""
