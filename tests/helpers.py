@@ -179,36 +179,37 @@ def read_line(stream, timeout: float) -> str | None:
     return line.decode()
 
 
-def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300,
-               without: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300, without: tuple[str, ...] = (),
+               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -c script ARGS` in a process of its own, or as a job of `nproc` ranks joined as torchrun joins them, in
-    env(without): on CPU forked from train_server(without) (torch and flame imported already), with CUDA a fresh
-    process or torchrun."""
+    env(without) plus `extra_env`: on CPU forked from train_server(without) (torch and flame imported already), with
+    CUDA a fresh process or torchrun."""
     cmd = [sys.executable, "-c", script, *args]
     if not torch.cuda.is_available():
-        return forked_train(cmd, timeout, nproc, script=script, without=without)
+        return forked_train(cmd, timeout, nproc, script=script, without=without, extra_env=extra_env)
+    e = dict(env(without), **(extra_env or {}))
     if nproc == 1:
-        return subprocess.run(cmd, cwd=REPO, env=env(without), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:  # torchrun runs a file, not -c
         path = Path(tmp) / "script.py"
         path.write_text(script)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path),
                *args]
-        return subprocess.run(cmd, cwd=REPO, env=env(without), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def forked_train(cmd: list[str], timeout: float, nproc: int = 1, script: str | None = None,
-                 without: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+                 without: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """cmd (`python -m flame.train ARGS`, or with `script`, `python -c script ARGS`) as a job of `nproc` ranks of
-    train_server(without) in env(without): the exit code (a failed rank's, or 0), and the ranks' stdout and stderr,
-    one after the other."""
+    train_server(without) in env(without) plus `extra_env`: the exit code (a failed rank's, or 0), and the ranks'
+    stdout and stderr, one after the other."""
     server = train_server(without)
+    base = dict(env(without), **(extra_env or {}))
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(free_port())}
         ranks = [{"stdout": f"{tmp}/stdout{r}", "stderr": f"{tmp}/stderr{r}",
-                  "env": env(without) if nproc == 1 else dict(env(without), RANK=str(r), LOCAL_RANK=str(r),
-                                                                **rendezvous)}
+                  "env": base if nproc == 1 else dict(base, RANK=str(r), LOCAL_RANK=str(r), **rendezvous)}
                  for r in range(nproc)]
         job = {"args": cmd[3:], "ranks": ranks, **({} if script is None else {"script": script})}
         server.stdin.write((json.dumps(job) + "\n").encode())

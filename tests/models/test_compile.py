@@ -133,15 +133,11 @@ def test_a_second_compiled_run_on_a_warm_cache(tmp_path):
     # Inductor for real (C++ on CPU), twice on one cache folder, as a user's second launch of a config is. With
     # AOTAutograd's cache warm, the second run replayed the outputs aliasing a linear's 3-D result with garbage sizes
     # and failed or segfaulted (first seen on an H100); parallel.parallelize turns that cache off.
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO, env
+    from tests.helpers import run_script
 
     losses = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", CACHED_COMPILE_SCRIPT], cwd=REPO, capture_output=True, text=True,
-                              env=dict(env(), TORCHINDUCTOR_CACHE_DIR=str(tmp_path)), timeout=600)
+    for _ in range(2):   # two processes (forked from the tests' server on CPU: its imports, nothing compiled)
+        proc = run_script(CACHED_COMPILE_SCRIPT, timeout=600, extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses.append(float(proc.stdout.split()[-1]))
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
