@@ -123,14 +123,14 @@ def byte_bpe(texts, path: Path, vocab_size: int = 300):
     return tok
 
 
-def env(without: tuple[str, ...] = ()) -> dict:
-    """A subprocess's environment: this one's, less the variables in `without`."""
+def env(without: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> dict:
+    """A subprocess's environment: this one's, less the variables in `without`, plus `extra`."""
     # the repository first; what the caller's PYTHONPATH holds (packages installed to a --target folder) after it
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     e = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *without):
         e.pop(k, None)
-    return e
+    return dict(e, **(extra or {}))
 
 
 def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -187,7 +187,7 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300, with
     cmd = [sys.executable, "-c", script, *args]
     if not torch.cuda.is_available():
         return forked_train(cmd, timeout, nproc, script=script, without=without, extra_env=extra_env)
-    e = dict(env(without), **(extra_env or {}))
+    e = env(without, extra_env)
     if nproc == 1:
         return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:  # torchrun runs a file, not -c
@@ -204,7 +204,7 @@ def forked_train(cmd: list[str], timeout: float, nproc: int = 1, script: str | N
     train_server(without) in env(without) plus `extra_env`: the exit code (a failed rank's, or 0), and the ranks'
     stdout and stderr, one after the other."""
     server = train_server(without)
-    base = dict(env(without), **(extra_env or {}))
+    base = env(without, extra_env)
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(free_port())}

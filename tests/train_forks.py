@@ -21,9 +21,9 @@ import time
 import traceback
 
 import flame.train  # noqa: F401  (the slow imports, done once)
-# and those every job makes after it starts: building a model on the meta device imports Dynamo (torch's reference
-# ops go through it), wrapping blocks torchtitan's checkpointing, the schedule torchtitan's scheduler container (a
-# second or more of imports per job on 2 cores)
+# and the imports every job would make after it starts (a second or more each on 2 cores): Dynamo (building a model
+# on the meta device goes through torch's reference ops), torchtitan's checkpointing (prepare_blocks) and its LR
+# scheduler container (flame.optim)
 import flame.activation_checkpoint  # noqa: F401
 import torch._dynamo  # noqa: F401
 import torchtitan.components.optimizer.lr_scheduler  # noqa: F401
