@@ -27,7 +27,7 @@ def two_processes(export, data, *extra, launcher=True, cwd=REPO) -> subprocess.C
     if not launcher:
         return run_script("from flame.eval import main; main()", *args, nproc=2, timeout=180)
     return subprocess.run(["bash", str(REPO / "scripts/launch.sh"), "-m", "flame.eval", *args], capture_output=True,
-                          text=True, cwd=cwd, env=dict(env(), NPROC="2"), timeout=180)
+                          text=True, cwd=cwd, env=env(extra=dict(NPROC="2")), timeout=180)
 
 
 @pytest.mark.parametrize("cut", [False, True], ids=["all", "max-tokens"])

@@ -11,7 +11,7 @@ from tests.helpers import REPO, env
 
 
 def run_without_gpu(*args):
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=dict(env(), CUDA_VISIBLE_DEVICES=""),
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env(extra=dict(CUDA_VISIBLE_DEVICES="")),
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stderr, proc.stdout
 

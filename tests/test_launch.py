@@ -16,7 +16,7 @@ def test_launch_two_cpu_processes(tmp_path):
         ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", "--training.steps", "4",
          f"--job.dump_folder={dump}", "--metrics.log_freq=2", "--checkpoint.interval=2",
          "--training.seq_len=64", "--lr_scheduler.warmup_steps=1", *SMALL_VOCAB],
-        cwd=REPO, env=dict(env(), NPROC="2"), capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=env(extra=dict(NPROC="2")), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = read_metrics(dump)
     evals = read_metrics(dump, "eval_loss")
@@ -38,7 +38,7 @@ def test_layout_that_does_not_fit_the_processes_stops_before_any_starts(tmp_path
     proc = subprocess.run(
         ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}",
          "--parallelism.dp_shard=2"],
-        cwd=REPO, env=dict(env(), NPROC="3"), capture_output=True, text=True, timeout=120)
+        cwd=REPO, env=env(extra=dict(NPROC="3")), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("config error: configs/transformer_tiny.toml: parallelism: expected dp_replicate * "
                                    "dp_shard = number of processes (3), got '1 * 2'")

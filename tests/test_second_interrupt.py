@@ -42,7 +42,7 @@ def test_second_ctrl_c_stops_at_once_saving_nothing(tmp_path):
     dump, out, err = tmp_path / "run", tmp_path / "stdout", tmp_path / "stderr"
     cmd = ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *ARGS]
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC="1"), stdout=stdout, stderr=stderr,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(extra=dict(NPROC="1")), stdout=stdout, stderr=stderr,
                                 start_new_session=True)
     try:
         wait_for_step(dump, proc, 1)   # step 1 logged: step 2 has just begun

@@ -32,7 +32,7 @@ def slurm():
 
 
 def cpu_env() -> dict:
-    return dict(env(), NPROC="2", CUDA_VISIBLE_DEVICES="")
+    return env(extra=dict(NPROC="2", CUDA_VISIBLE_DEVICES=""))
 
 
 def submit(slurm: SlurmCluster, dump: Path, out: Path) -> str:

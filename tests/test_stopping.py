@@ -25,7 +25,7 @@ def launch(dump, started, *overrides):
     """scripts/launch.sh in a session of its own, added to `started` (the launches fixture's list)."""
     cmd = ["bash", "scripts/launch.sh", "configs/transformer_tiny.toml", f"--job.dump_folder={dump}", *ARGS,
            *overrides]
-    started.append(subprocess.Popen(cmd, cwd=REPO, env=dict(env(), NPROC="1"), stdout=subprocess.PIPE,
+    started.append(subprocess.Popen(cmd, cwd=REPO, env=env(extra=dict(NPROC="1")), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, start_new_session=True))
     return started[-1]
 

@@ -27,7 +27,7 @@ def launch_node(config, *overrides: str, node_rank: int, port: int) -> subproces
     extra = {"NPROC": "1", "NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port), "RDZV_ID": f"two-nodes-{port}"}
     return subprocess.Popen(["bash", "scripts/launch.sh", str(config), *ARGS, *overrides], cwd=REPO,
-                            env=dict(env(), **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(extra=extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
