@@ -50,6 +50,9 @@ def pytest_collection_modifyitems(config, items):
         if module_fixtures(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
+        # tests marked slow go first: pytest-xdist hands tests out in this order, so they start beside the short
+        # ones instead of running on as the suite's tail
+        items.sort(key=lambda item: "slow" not in item.keywords)
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -60,6 +60,7 @@ def train(config: str, device: str, dump, init) -> subprocess.Popen:
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(TOLERANCE))
 def test_gpu_training_follows_the_cpu(config, tmp_path):
     init = initial_weights(config, tmp_path / "init")
