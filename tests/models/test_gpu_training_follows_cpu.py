@@ -65,9 +65,14 @@ def train(config: str, device: str, dump, init) -> subprocess.Popen:
 def test_gpu_training_follows_the_cpu(config, tmp_path):
     init = initial_weights(config, tmp_path / "init")
     runs = {device: train(config, device, tmp_path / device, tmp_path / "init") for device in ("cpu", "cuda")}
-    for device, proc in runs.items():
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{device}: {err[-3000:]}"
+    try:
+        for device, proc in runs.items():
+            _, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"{device}: {err[-3000:]}"
+    finally:   # a failed or timed-out run does not leave the other one training
+        for proc in runs.values():
+            proc.kill()
+            proc.wait()
     losses = {d: [r["loss"] for r in read_metrics(tmp_path / d)] for d in runs}
     assert all(len(x) == STEPS for x in losses.values()), {d: len(x) for d, x in losses.items()}
     cpu, gpu = (sum(losses[d][-LAST:]) / LAST for d in ("cpu", "cuda"))
