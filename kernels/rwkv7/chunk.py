@@ -72,6 +72,13 @@ class Settings:
     K = V = 64."""
     block_map_warps: int = 4
     """Warps of the forward's block maps."""
+    keep_chunk_tensors: bool = True
+    """The forward keeps for the backward every per-chunk tensor it forms besides the chunk states h (U, A_rb, A_rk,
+    A_ak, T and w by chunk: 608 bytes per token and head at K = V = 64 in bf16, besides h's 512). False: it keeps h
+    alone (and the blocked scans' block maps) and the backward forms the rest again from the inputs and h, every
+    chunk in parallel (_fwd_prep, then U = W h + Uv): what a layer's op keeps under selective checkpointing drops
+    to 0.46 of it by the tensors' sizes (the 0.6B at 8 x 4096: 734 to 335 MB a layer), for a second _fwd_prep in
+    the backward."""
     bwd_dh_chunks: int = 256
     """Over equal rows the backward holds the chunk-end state gradients dh (fp32 K x V per chunk and head: 16 KiB at
     K = V = 64, twice the bf16 chunk state) for about this many chunks at a time instead of all: _bwd_scan and
@@ -100,21 +107,20 @@ def kept_dtype(r: torch.Tensor, s: Settings) -> torch.dtype:
     return torch.bfloat16 if s.bf16(r) else torch.float32
 
 
-def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
-    from kernels.rwkv7.fwd import _block_scan, _fwd_prep, _fwd_scan
+def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
+    """_fwd_prep's launch: W and Uv (fp32, for the scans), A_rb, A_rk, A_ak, T and w by chunk (the backward's)."""
+    from kernels.rwkv7.fwd import _fwd_prep
 
     _, T, H, K = r.shape
     V = v.shape[-1]
     BT, BK = s.chunk, max(16, next_pow2(K))
-    chunk_offsets, chunk_index, NT = tables
-    N = cu.numel() - 1
+    _, chunk_index, NT = tables
     f32 = dict(device=r.device, dtype=torch.float32)
     W = torch.empty(1, T, H, K, **f32)
     Uv = torch.empty(1, T, H, V, **f32)
     Arb, Ark, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(3))
     # what only the backward's bf16 products read is stored in bf16 (half the memory kept per layer)
-    kept = dict(device=r.device, dtype=kept_dtype(r, s))
-    Aak = torch.empty(1, T, H, BT, **kept)
+    Aak = torch.empty(1, T, H, BT, device=r.device, dtype=kept_dtype(r, s))
     # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
     TT = NT * BT
     wf = torch.empty(H, K, TT, **f32)
@@ -122,6 +128,44 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
            DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
            LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps,
            maxnreg=s.prep_maxnreg)
+    return W, Uv, Arb, Ark, Aak, Tinv, wf
+
+
+def _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s: Settings):
+    """What a forward with keep_chunk_tensors=False did not keep, formed again from the inputs and the chunk states:
+    (U, A_rb, A_rk, A_ak, T, w by chunk)."""
+    from kernels.rwkv7.fwd import _chunk_u
+
+    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s)
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    U = torch.empty(1, T, H, V, device=r.device, dtype=kept_dtype(r, s))
+    BV = min(s.chunk_bv, max(16, next_pow2(V)))
+    launch(_chunk_u, (tables[2], H, triton.cdiv(V, BV)), cu, tables[1], W, Uv, h, U, H=H, K=K, V=V, BT=s.chunk,
+           BK=max(16, next_pow2(K)), BV=BV, PREC=s.prec)
+    return U, Arb, Ark, Aak, Tinv, wf
+
+
+def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
+    o, ht, saved = _fwd_all(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s)
+    if s.keep_chunk_tensors:
+        return o, ht, saved
+    h, *_, Mb = saved
+    return o, ht, (h, *(x.new_empty(0) for x in saved[1:7]), Mb)
+
+
+def _fwd_all(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
+    from kernels.rwkv7.fwd import _block_scan, _fwd_scan
+
+    _, T, H, K = r.shape
+    V = v.shape[-1]
+    BT, BK = s.chunk, max(16, next_pow2(K))
+    chunk_offsets, chunk_index, NT = tables
+    N = cu.numel() - 1
+    f32 = dict(device=r.device, dtype=torch.float32)
+    kept = dict(device=r.device, dtype=kept_dtype(r, s))
+    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s)
+    TT = NT * BT
     h = torch.empty(NT, H, K, V, **kept)
     U = torch.empty(1, T, H, V, **kept)
     o = torch.empty_like(v)
@@ -158,6 +202,8 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
     from kernels.rwkv7.fwd import _block_scan
 
     h, U, Arb, Ark, Aak, Tinv, wf, Mb = saved
+    if not s.keep_chunk_tensors:
+        U, Arb, Ark, Aak, Tinv, wf = _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s)
     chunk_offsets, chunk_index, NT = tables
     _, T, H, K = r.shape
     V = v.shape[-1]
@@ -269,8 +315,11 @@ def _fake_forward(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, set
     if s.blocked(N, H, V):
         Mb = f32(chunk_count(N, BT * s.block_chunks, T, seq_len or None), H, K, K)
     kept = lambda *shape: r.new_empty(shape, dtype=kept_dtype(r, s))  # noqa: E731
-    return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, kept(NT, H, K, V), kept(1, T, H, V),
-            f32(1, T, H, BT), f32(1, T, H, BT), kept(1, T, H, BT), f32(1, T, H, BT), f32(H, K, NT * BT), Mb)
+    per_chunk = (kept(1, T, H, V), f32(1, T, H, BT), f32(1, T, H, BT), kept(1, T, H, BT), f32(1, T, H, BT),
+                 f32(H, K, NT * BT))
+    if not s.keep_chunk_tensors:
+        per_chunk = tuple(x.new_empty(0) for x in per_chunk)
+    return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, kept(NT, H, K, V), *per_chunk, Mb)
 
 
 def _backward_op(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, settings, h, U, Arb, Ark, Aak, Tinv, wf, Mb, do,

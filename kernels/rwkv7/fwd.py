@@ -10,6 +10,7 @@ or, for few long sequences (blocked scan: the sequential part one product per bl
              carried together as one [K, K + V] state;
   _block_scan (per sequence, head, V tile): the state entering every block, S <- M S + N;
   _fwd_scan  as the fill (per block): the sequence scan over the block's chunks from its entering state.
+_chunk_u (per chunk, in the backward where the forward kept only the chunk states): U = W h + Uv again.
 Every exp() argument is <= 0 by construction: masked entries are replaced by 0 before the exp and the result by 0
 after.
 Inputs are packed sequences [1, T_total, H, *]; states and everything the backward reuses are fp32.
@@ -269,3 +270,23 @@ def _block_scan(cu, block_offsets, Mb, Nb, s0, Sb, s_end, H: tl.constexpr, K: tl
         S = tl.dot(M, S, input_precision=PREC) + N
     if STORE_END:
         tl.store(s_end + (i_n * H + i_h).to(tl.int64) * K * V + s_off, S, mask=m_kv)
+
+
+@triton.jit
+def _chunk_u(cu, chunk_index, W, Uv, h, U, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """U = W S_0 + Uv of one chunk (and V tile) from the state entering it, as the scan stored it in h: the
+    backward's U where the forward kept only the chunk states (Settings.keep_chunk_tensors). Chunks in parallel."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
+    tok = t0 + tl.arange(0, BT)
+    m_t = tok < eos   # all false for a spare chunk of a packed batch: nothing stored
+    ck = tl.arange(0, BK)
+    m_k = ck < K
+    cv = i_v * BV + tl.arange(0, BV)
+    m_v = cv < V
+    S = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    b_U = tl.dot(load_rows(W, tok, i_h, H, K, ck, m_t, m_k), S, input_precision=PREC) \
+        + load_rows(Uv, tok, i_h, H, V, cv, m_t, m_v)
+    store_rows(U, b_U, tok, i_h, H, V, cv, m_t, m_v)

@@ -113,6 +113,15 @@ def test_opcheck(name):
     torch.library.opcheck(backward, bwd_inputs(name, rows), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_opcheck_rwkv7_chunk_states_alone_kept():
+    # keep_chunk_tensors=False: the forward returns empty per-chunk tensors, the backward forms them again
+    common.interpreted(chunk_rwkv7)
+    rows = op_inputs("rwkv7_logits", 2, 16, False, "keep_chunk_tensors=False")
+    torch.library.opcheck(chunk_rwkv7_op, rows)
+    torch.library.opcheck(chunk_rwkv7_bwd_op, bwd_inputs("rwkv7_logits", rows),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_rwkv7_block_compiles_as_one_graph_on_the_triton_path(monkeypatch):
     # A whole block of the tiny config (narrowed to 2 heads of 16 for the interpreter), its chunk call forced onto
     # the Triton path: Dynamo must trace it without a graph break (fullgraph) and match eager in outputs and

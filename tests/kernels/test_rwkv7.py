@@ -114,6 +114,43 @@ def test_triton_interpreter_backward_in_groups_of_chunks(blocked, dh_chunks, int
     assert_close(got, naive(xs, h0, 0.7), CPU_TOL, f"{blocked=} {dh_chunks=}")
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("lens", [None, [1, 17, 40, 9, 66]])
+def test_triton_interpreter_backward_from_chunk_states_alone(blocked, lens, interp):
+    # keep_chunk_tensors=False: the forward keeps the chunk states alone (and the block maps) and the backward forms
+    # U, the chunk matrices and w by chunk again from the inputs and the states: equal rows and packed sequences
+    # (spare chunks), two V tiles per chunk (chunk_bv 32 at V = 64), sequence and blocked scans (blocks of 2).
+    settings = Settings(blocked_scan=blocked, block_chunks=2, chunk_bv=32, keep_chunk_tensors=False)
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
+    xs, h0 = rwkv7_inputs(1, 100 if lens is None else sum(lens), 1, 32, 64, decay="wide",
+                          n_seq=1 if lens is None else len(lens), seed=5)
+    got = run(interp, xs, h0, 0.7, cu, settings=settings)
+    assert_close(got, naive(xs, h0, 0.7, cu), CPU_TOL, f"{blocked=} {lens=}")
+
+
+def test_triton_interpreter_bf16_backward_from_chunk_states_alone(interp):
+    # the states kept in bf16 (chunk.kept_dtype), U formed again from them: within the bf16 bar (interpreter with the
+    # GPU's rounding, model decays)
+    xs, h0 = rwkv7_inputs(1, 100, 1, 64, 64, dtype=torch.bfloat16, decay="model", seed=21)
+    ref = naive([x.double() for x in xs], h0.double(), 1.0)
+    got = run(interp, xs, h0, 1.0, settings=Settings(keep_chunk_tensors=False))
+    assert_close(got, ref, GPU_TOL, "bf16, chunk states alone kept")
+
+
+def test_forward_keeps_chunk_states_alone(interp):
+    from kernels.rwkv7.chunk import _forward_op
+    from kernels.settings import to_text
+
+    xs, _ = rwkv7_inputs(1, 40, 1, 32, 32, decay="wide", seed=3)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    kept = {keep: _forward_op(*xs[:1], xs[1].float(), None, *xs[2:], 1.0, None, False, cu, 40,
+                              to_text(Settings(keep_chunk_tensors=keep, blocked_scan=False)))[2:]
+            for keep in (True, False)}
+    per_chunk = slice(1, 7)   # U, A_rb, A_rk, A_ak, T, w by chunk
+    assert all(x.numel() > 0 for x in kept[True][per_chunk]) and all(x.numel() == 0 for x in kept[False][per_chunk])
+    assert torch.equal(kept[True][0], kept[False][0])   # the chunk states
+
+
 def test_blocked_scans_are_chosen_for_few_sequences():
     # the benchmark's B=2 T=16384 and B=8 T=4096 (H=16, V=64)
     assert Settings().blocked(2, 16, 64) and not Settings().blocked(8, 16, 64)
@@ -283,10 +320,12 @@ def test_gpu_matches_cpu_torch_path():
 
 
 # Non-default settings, in bf16 on the GPU: stress decays at T = 4096 with initial states, and packed
-# sequences with K != V (the backward holding dh for 5 or 16 chunks at a time, or for all).
+# sequences with K != V (the backward holding dh for 5 or 16 chunks at a time, or for all; the chunk states alone
+# kept).
 VARIANTS = [dict(prep_maxnreg=None), dict(prep_maxnreg=128), dict(blocked_scan=False),
             dict(blocked_scan=False, bwd_dh_chunks=5), dict(blocked_scan=False, bwd_dh_chunks=0),
-            dict(blocked_scan=True, block_chunks=8), dict(blocked_scan=True, block_chunks=8, bwd_dh_chunks=20)]
+            dict(blocked_scan=True, block_chunks=8), dict(blocked_scan=True, block_chunks=8, bwd_dh_chunks=20),
+            dict(blocked_scan=False, keep_chunk_tensors=False), dict(blocked_scan=True, keep_chunk_tensors=False)]
 
 
 @gpu
