@@ -37,6 +37,19 @@ def test_every_launched_kernel_compiles_for_h100(op):
         assert 0 <= nbytes <= H100_SMEM, f"{name} needs {nbytes} bytes of shared memory (> {H100_SMEM})"
 
 
+def test_rwkv7_backward_from_chunk_states_alone_compiles_for_h100():
+    # keep_chunk_tensors=False adds _chunk_u to the backward (not launched with the defaults above): its builds at
+    # the benchmark shapes
+    skip_without_cuda_backend()
+    from kernels.sm90 import H100_SMEM
+    smem = in_compiling_process(
+        "import json\nfrom kernels.ops import OPS\nfrom kernels.rwkv7.chunk import Settings\n"
+        "from kernels.sm90 import build, op_launches\n"
+        "launches = op_launches(OPS['rwkv7'], Settings(keep_chunk_tensors=False))\n"
+        "print(json.dumps({n: build(b).metadata.shared for n, b in launches.items() if n.startswith('_chunk_u')}))")
+    assert smem and all(0 < nbytes <= H100_SMEM for nbytes in smem.values()), smem
+
+
 def test_recorded_launches_cover_both_regimes_of_each_op():
     # the two benchmark shapes of each op take different launch paths: each shape launches builds (kernel and
     # compile-time values) the other does not
