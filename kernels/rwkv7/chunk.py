@@ -147,14 +147,6 @@ def _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s: Settings):
 
 
 def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
-    o, ht, saved = _fwd_all(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s)
-    if s.keep_chunk_tensors:
-        return o, ht, saved
-    h, *_, Mb = saved
-    return o, ht, (h, *(x.new_empty(0) for x in saved[1:7]), Mb)
-
-
-def _fwd_all(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Settings):
     from kernels.rwkv7.fwd import _block_scan, _fwd_scan
 
     _, T, H, K = r.shape
@@ -295,6 +287,8 @@ def _forward_op(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, setti
     s = from_text("rwkv7", settings)
     tables, blocks = _tables(cu, r.shape[1], seq_len, r.shape[2], v.shape[3], s)
     o, ht, saved = _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s)
+    if not s.keep_chunk_tensors:   # h and Mb kept; U, A_rb, A_rk, A_ak, T and w by chunk formed again in backward
+        saved = (saved[0], *(x.new_empty(0) for x in saved[1:7]), saved[7])
     return o, ht, *saved
 
 
