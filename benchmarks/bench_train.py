@@ -48,6 +48,9 @@ VARIANTS = {
     "sac": ["--training.compile=false", SAC],
     "compile+ac": ["--training.compile=true", AC],
     "compile+sac": ["--training.compile=true", SAC],
+    # selective, and training.recompute's parts (chunk_tensors: RWKV-7 alone)
+    "compile+sac+mlp": ["--training.compile=true", SAC, '--training.recompute=["mlp_hidden"]'],
+    "compile+sac+mlp+chunk": ["--training.compile=true", SAC, '--training.recompute=["mlp_hidden","chunk_tensors"]'],
     "hsdp": ["--parallelism.dp_replicate=2"],
     "cp": [],  # context_parallel_degree and seq_len from the process count: cp_args
     "cp-gather": ["--parallelism.context_parallel_exchange=gather"],  # "cp" through the all-gathers
@@ -191,17 +194,17 @@ def print_table(rows: list, notes: list[str], steps: int, counts: list[int]) -> 
         return same[0].get("tokens_per_sec_per_device") if same else None
 
     print(f"\nsteps {steps}, median step of the second half; scaling: tok/s/device against {counts[0]} process(es)")
-    print(f"{'model':<18} {'procs':>5} {'variant':<12} {'tok/s/device':>13} {'scaling':>8} {'MFU %':>7} "
+    print(f"{'model':<18} {'procs':>5} {'variant':<22} {'tok/s/device':>13} {'scaling':>8} {'MFU %':>7} "
           f"{'peak GiB':>9} {'1st step s':>10} {'loss':>8}")
     for model, n, variant, r in rows:
         if "error" in r:
-            print(f"{model:<18} {n:>5} {variant:<12} failed: {r['error']}")
+            print(f"{model:<18} {n:>5} {variant:<22} failed: {r['error']}")
             continue
         tps, ref = r["tokens_per_sec_per_device"], baseline(model, variant)
         scaling = f"{tps / ref:.3f}" if ref else "n/a"
         mfu = "n/a" if r.get("mfu") is None else f"{r['mfu']:.1f}"
         first = "n/a" if r.get("time_to_first_step_sec") is None else f"{r['time_to_first_step_sec']:.1f}"
-        print(f"{model:<18} {n:>5} {variant:<12} {tps:>13,.0f} {scaling:>8} {mfu:>7} {r['memory_gib']:>9.1f} "
+        print(f"{model:<18} {n:>5} {variant:<22} {tps:>13,.0f} {scaling:>8} {mfu:>7} {r['memory_gib']:>9.1f} "
               f"{first:>10} {r['loss']:>8.3f}")
         if r.get("first_step_sec") is not None:  # FLA's rows
             notes.append(f"{model} {variant}: step 1 alone took {r['first_step_sec']:.1f} s (FLA's Triton autotuning "

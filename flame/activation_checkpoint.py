@@ -4,6 +4,7 @@ full: a block keeps only its inputs; backward runs its whole forward again.
 selective: a block keeps the outputs of the ops that are expensive to run again (matmuls, attention, our chunk kernels,
 RWKV-7's output epilogue) and recomputes the rest (elementwise work, norms, activations, token shifts) from them in
 backward, so backward never repeats a matmul or a kernel. It costs more memory than full and less than none.
+training.recompute trades some of selective's speed back for memory, one named part at a time (RECOMPUTE_PARTS).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing, FullAC
+
+from flame.errors import ConfigError
 
 SAVED_ATEN_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear"})
 """aten ops whose outputs selective checkpointing keeps (by name, every overload)."""
@@ -28,6 +31,20 @@ input (its weight's gradient reads it), where recomputing it costs the epilogue'
 the 0.6B step for 2 GiB at 8 x 4096 tokens on one GPU)."""
 
 
+RECOMPUTE_PARTS = {
+    "mlp_hidden": "the MLP's hidden activations: its input projections' outputs (RWKV's channel-mix key, SwiGLU's gate "
+                  "and up), formed again in backward by one more matmul each",
+    "chunk_tensors": "RWKV-7's chunk kernel keeps its chunk states alone; its backward forms the per-chunk tensors "
+                     "again from them",
+}
+"""What training.recompute may name, on top of selective checkpointing."""
+
+MLP_INPUTS = "mlp_input_projections"
+"""An MLP module's class attribute: the names of its nn.Linear inputs (whose outputs "mlp_hidden" recomputes)."""
+KEEP_CHUNK_TENSORS = "keep_chunk_tensors"
+"""A time-mixing module's attribute: False makes its chunk kernel keep the chunk states alone ("chunk_tensors")."""
+
+
 def saves_output(func) -> bool:
     """Whether selective checkpointing keeps the output of `func` (an op overload seen by the dispatcher)."""
     namespace, name = getattr(func, "namespace", None), getattr(func, "_opname", "")
@@ -42,6 +59,51 @@ def saves_output(func) -> bool:
 
 def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if saves_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _matmul_width(func, args) -> int | None:
+    """The output width of a 2-D matmul (mm, addmm, linear), else None."""
+    if getattr(func, "namespace", None) != "aten":
+        return None
+    name = func._opname
+    if name == "mm":
+        return args[1].shape[-1]
+    if name == "addmm":
+        return args[2].shape[-1]
+    if name == "linear":
+        return args[1].shape[0]
+    return None
+
+
+def _recomputing_widths(widths: frozenset[int]):
+    """Selective's policy, except that matmuls whose output is one of `widths` wide are recomputed. The policy sees
+    ops, not modules (under torch.compile it runs on the traced graph), so the MLP's matmuls are known by width:
+    mlp_hidden_widths makes sure no other matmul of a block has it."""
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if _matmul_width(func, args) in widths:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return _policy(ctx, func, *args, **kwargs)
+    return policy
+
+
+def mlp_hidden_widths(model: nn.Module) -> frozenset[int]:
+    """The output widths of the blocks' MLP input projections, checked to be no other 2-D parameter's dimension in
+    the blocks (a projection of that width elsewhere would be recomputed too)."""
+    widths, mlp_params = set(), set()
+    for block in model.layers:
+        for module in block.modules():
+            for name in getattr(module, MLP_INPUTS, ()):
+                widths.add(getattr(module, name).out_features)
+            if hasattr(module, MLP_INPUTS):
+                mlp_params.update(id(p) for p in module.parameters())
+    if not widths:
+        raise ConfigError("training.recompute", f"no 'mlp_hidden' for {type(model).__name__}, whose blocks have no MLP")
+    for name, p in model.layers.named_parameters():
+        clash = widths.intersection(p.shape) if p.dim() == 2 and id(p) not in mlp_params else set()
+        if clash:
+            raise ConfigError("training.recompute", f"no 'mlp_hidden' while the MLP's width {min(clash)} is also a "
+                              f"dimension of {name} (its matmul would be recomputed too)")
+    return frozenset(widths)
 
 
 def _exchanges_only_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -64,8 +126,9 @@ class PolicyAC(ActivationCheckpointing):
                                   early_stop=False, debug=c.debug)
 
 
-def wrap_blocks(model: nn.Module, mode: str) -> None:
-    """Replace each block of `model.layers` by its checkpoint wrapper ("full" or "selective"; "none" does nothing).
+def wrap_blocks(model: nn.Module, mode: str, recompute: tuple[str, ...] | list[str] = ()) -> None:
+    """Replace each block of `model.layers` by its checkpoint wrapper ("full" or "selective"; "none" does nothing);
+    with "selective", `recompute` names RECOMPUTE_PARTS to recompute too.
     The wrapper holds the block as `_checkpoint_wrapped_module`, which FSDP and the state dict see through.
     A context-parallel model's full checkpointing keeps its exchanges' outputs and recomputes everything else: run
     again, the chain's receive would wait for a send that never comes (and the gather would gather again)."""
@@ -74,4 +137,12 @@ def wrap_blocks(model: nn.Module, mode: str) -> None:
     elif mode == "full":
         FullAC(FullAC.Config()).apply(model)
     elif mode == "selective":
-        PolicyAC(_policy).apply(model)
+        widths = mlp_hidden_widths(model) if "mlp_hidden" in recompute else frozenset()
+        if "chunk_tensors" in recompute:
+            kernels = [m for m in model.layers.modules() if hasattr(m, KEEP_CHUNK_TENSORS)]
+            if not kernels:
+                raise ConfigError("training.recompute", f"no 'chunk_tensors' for {type(model).__name__}, whose chunk "
+                                  "kernel keeps what it keeps")
+            for m in kernels:
+                setattr(m, KEEP_CHUNK_TENSORS, False)
+        PolicyAC(_recomputing_widths(widths) if widths else _policy).apply(model)

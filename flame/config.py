@@ -126,6 +126,10 @@ class TrainingConfig:
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     """Per block: 'full' keeps only its input and reruns it in backward; 'selective' keeps the outputs of matmuls,
     attention and chunk kernels, and recomputes the rest (elementwise work, norms): flame/activation_checkpoint.py."""
+    recompute: list[Literal["mlp_hidden", "chunk_tensors"]] = field(default_factory=list)
+    """With activation_checkpoint = 'selective', parts recomputed in backward too, for less memory at some speed:
+    'mlp_hidden' the MLP's hidden activations (one more matmul per input projection), 'chunk_tensors' RWKV-7's chunk
+    kernel's per-chunk tensors (it keeps its chunk states alone). Each one's cost: docs/configuration.md."""
     max_consecutive_skips: int = 10
     """Stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
     deterministic: bool = False
@@ -136,6 +140,8 @@ class TrainingConfig:
             value = getattr(self, key)
             check(value >= 1, f"training.{key}", "an integer >= 1", value)
         check(self.max_norm >= 0, "training.max_norm", "a number >= 0", self.max_norm)
+        check(not self.recompute or self.activation_checkpoint == "selective", "training.recompute",
+              f"[] with activation_checkpoint = {self.activation_checkpoint!r} (it adds to 'selective')", self.recompute)
 
 
 @dataclass
@@ -295,6 +301,9 @@ class Config:
             getattr(self, f.name).validate()
         if self.validation.enable:
             check(bool(self.data.eval_sources), "data.eval_sources", "at least one source when validation.enable")
+        check("chunk_tensors" not in self.training.recompute or self.model.name == "rwkv7", "training.recompute",
+              f"no 'chunk_tensors' with model.name = {self.model.name!r} (only RWKV-7's chunk kernel can keep its "
+              "chunk states alone)", self.training.recompute)
         cp = self.parallelism.context_parallel_degree
         if cp > 1:
             check(self.model.name in CONTEXT_PARALLEL_MODELS, "parallelism.context_parallel_degree",

@@ -281,8 +281,9 @@ def chained_state(piece: Piece, anchor: torch.Tensor, after: torch.Tensor, row_s
 # The three recurrences run as pieces: local outputs and state from zero, transition, exchange, then what the
 # incoming state adds. Only the public chunk calls are used (the Triton path on CUDA, the PyTorch path on CPU).
 
-def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
-    """chunk_rwkv7 (decay logits z, bias w0, scale 1) of this rank's piece, continuing the previous ranks' states:
+def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens, settings=None):
+    """chunk_rwkv7 (decay logits z, bias w0, scale 1, kernel `settings`) of this rank's piece, continuing the previous
+    ranks' states:
     (o, link), link being the chain's (cp_chain.send_next: the caller adds it to a small tensor its output's
     backward differentiates, before the chunk op's; None for the gather).
     Chain: the chunk op runs from the state the previous rank sends, and sends its final state on.
@@ -294,13 +295,13 @@ def chunk_rwkv7_cp(piece: Piece, r, z, k, v, a, b, w0, cu_seqlens):
     if piece.cp.links is not None:
         return chained_state(piece, w0, k, [*k.shape[2:], v.shape[-1]], lambda h0, final: chunk_rwkv7(
             r, z, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=final, cu_seqlens=cu_seqlens,
-            w_bias=w0))
+            w_bias=w0, settings=settings))
     V, (_, _, H, K) = v.shape[-1], k.shape
     wide = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], -1)
     eye = torch.eye(K, device=k.device).expand(piece.segments, H, K, K)
     h0 = torch.cat([eye.new_zeros(piece.segments, H, K, V), eye], -1)
     o, final = chunk_rwkv7(r, z, k, wide, a, b, scale=1.0, initial_state=h0, output_final_state=True,
-                           cu_seqlens=cu_seqlens, w_bias=w0)
+                           cu_seqlens=cu_seqlens, w_bias=w0, settings=settings)
     o, reach = o.split([V, K], -1)
     local, product = final[piece.last_seg].split([V, K], -1)
     state, = incoming_state(piece, [local], [product * piece.carries[:, None, None, None]],

@@ -125,7 +125,7 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def prepare_blocks(model: nn.Module, activation_checkpoint: str, compile: bool) -> None:
+def prepare_blocks(model: nn.Module, activation_checkpoint: str, compile: bool, recompute: list[str] = ()) -> None:
     """Checkpoint and compile each block of `model.layers` (in place), as training does.
 
     Each block is wrapped first and the wrapper compiled (torchtitan's order): Dynamo traces the checkpoint with its
@@ -135,20 +135,20 @@ def prepare_blocks(model: nn.Module, activation_checkpoint: str, compile: bool) 
     """
     from flame.activation_checkpoint import wrap_blocks  # (torchtitan's module: imported only when wrapping)
 
-    wrap_blocks(model, activation_checkpoint)
+    wrap_blocks(model, activation_checkpoint, recompute)
     if compile:
         compile_blocks(model)
 
 
 def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: str, activation_checkpoint: str,
-                compile: bool, fsdp_wrap: str = "blocks") -> nn.Module:
+                compile: bool, fsdp_wrap: str = "blocks", recompute: list[str] = ()) -> nn.Module:
     """Checkpoint and compile (prepare_blocks), then shard each block of `model.layers` (fsdp_wrap "blocks"; "model":
     the root alone, parallelism.fsdp_wrap), then the root.
 
     Gradients are reduced as a SUM: the loss is already divided by the global token count, so FSDP's own
     averaging over ranks would divide a second time.
     """
-    prepare_blocks(model, activation_checkpoint, compile)
+    prepare_blocks(model, activation_checkpoint, compile, recompute)
     if d.on_gpu:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     else:  # CPU: fp32 throughout (bf16 matmuls on CPU are slow and not what tests compare against)

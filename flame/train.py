@@ -136,7 +136,7 @@ class Trainer:
         self.model = parallelize(model, self.d, param_dtype=t.mixed_precision_param,
                                  reduce_dtype=t.mixed_precision_reduce,
                                  activation_checkpoint=t.activation_checkpoint, compile=t.compile,
-                                 fsdp_wrap=self.cfg.parallelism.fsdp_units())
+                                 fsdp_wrap=self.cfg.parallelism.fsdp_units(), recompute=t.recompute)
 
     def build_optimizer_and_data(self) -> None:
         """Optimizer, learning-rate schedule and the training data, whose tokenizer must fit model.vocab_size."""

@@ -1,7 +1,8 @@
 """training.activation_checkpoint: none, selective and full give the same loss and gradients; selective's backward
 repeats no matmul of the forward (full's repeats them all) but does recompute the cheap ops, and its wrapped blocks
 compile without a graph break; a short training run under selective checkpointing logs the losses of a run without
-(and its time to first step once); a bad value stops with one line."""
+(and its time to first step once); a bad value stops with one line. training.recompute: the MLP's input matmuls
+run again and nothing else, RWKV-7's chunk op is told to keep its states alone, results unchanged."""
 
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def forward_backward(config: str, mode: str, compile_blocks=None):
+def forward_backward(config: str, mode: str, compile_blocks=None, recompute=(), overrides=()):
     """Loss, gradients by parameter name, and the ops counted in backward, of one step of a tiny model (its wrapped
     blocks compiled by `compile_blocks`, if given)."""
-    cfg = load_config(f"configs/{config}.toml", ["--model.vocab_size=512"])
+    cfg = load_config(f"configs/{config}.toml", ["--model.vocab_size=512", *overrides])
     torch.manual_seed(0)
     model = build_model(cfg.model)
     model.init_weights()
-    wrap_blocks(model, mode)
+    wrap_blocks(model, mode, recompute)
     if compile_blocks is not None:
         compile_blocks(model)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -116,19 +117,20 @@ def test_selective_blocks_compile_whole(monkeypatch):
 def test_selective_training_run_logs_the_losses_of_a_plain_run(tmp_path):
     config, _ = write_config(tmp_path)  # the tiny transformer on synthetic tokens
     losses = {}
-    for mode in ("none", "selective"):
-        dump = tmp_path / mode
+    for mode, *recompute in (("none",), ("selective",), ("selective", '--training.recompute=["mlp_hidden"]')):
+        dump = tmp_path / f"{mode}{len(recompute)}"
         started = time.perf_counter()
         proc = run_train(config, f"--job.dump_folder={dump}", f"--training.activation_checkpoint={mode}",
-                         "--training.steps=3", "--checkpoint.enable=false")
+                         "--training.steps=3", "--checkpoint.enable=false", *recompute)
         wall = time.perf_counter() - started
         assert proc.returncode == 0, proc.stderr[-3000:]
-        losses[mode] = [r["loss"] for r in read_metrics(dump)]
+        losses[dump] = [r["loss"] for r in read_metrics(dump)]
         # the start-up figure benchmarks/bench_train.py reports: logged once, at the first step, within the run's time
         (first,) = read_metrics(dump, "time_to_first_step_sec")
         assert first["step"] == 1 and 0 < first["time_to_first_step_sec"] < wall
-    assert len(losses["none"]) == 3
-    assert losses["selective"] == pytest.approx(losses["none"], rel=1e-6)
+    plain, selective, lean = losses.values()
+    assert len(plain) == 3
+    assert selective == pytest.approx(plain, rel=1e-6) and lean == pytest.approx(plain, rel=1e-6)
 
 
 def test_unknown_choice_is_one_line_naming_the_key(tmp_path):
@@ -137,3 +139,92 @@ def test_unknown_choice_is_one_line_naming_the_key(tmp_path):
         load_config(config, ["--training.activation_checkpoint=partial"])
     line = str(e.value)
     assert "training.activation_checkpoint" in line and "'selective'" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("config", ["rwkv7_tiny", "rwkv6_tiny", "gsa_tiny", "transformer_tiny"])
+def test_recomputing_mlp_hidden_reruns_the_mlp_input_matmuls_alone(config):
+    loss, grads, selective = forward_backward(config, "selective")
+    lean_loss, lean_grads, lean = forward_backward(config, "selective", recompute=["mlp_hidden"])
+    torch.testing.assert_close(lean_loss, loss, rtol=0, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(lean_grads[name], g, rtol=0, atol=0, msg=name)
+    model = build_model(load_config(f"configs/{config}.toml").model)
+    inputs = sum(len(m.mlp_input_projections) for m in model.layers.modules() if hasattr(m, "mlp_input_projections"))
+    assert inputs >= len(model.layers)
+    assert lean.matmuls == selective.matmuls + inputs, (lean.matmuls, selective.matmuls, inputs)
+
+
+def test_mlp_hidden_refuses_a_width_another_matmul_has():
+    # the policy knows the MLP's matmuls by their output width: an attention projection as wide would be recomputed
+    # too, so such a model is refused with one line
+    with pytest.raises(ConfigError) as e:
+        forward_backward("transformer_tiny", "selective", recompute=["mlp_hidden"],
+                         overrides=["--model.intermediate_size=128"])
+    line = str(e.value)
+    assert "training.recompute" in line and "128" in line and "\n" not in line
+
+
+def test_chunk_tensors_tells_rwkv7s_chunk_op_to_keep_its_states_alone(monkeypatch):
+    import flame.models.rwkv7 as rwkv7
+
+    seen = []
+    real = rwkv7.chunk_rwkv7
+    monkeypatch.setattr(rwkv7, "chunk_rwkv7", lambda *a, settings=None, **k: seen.append(settings) or real(*a, **k))
+    forward_backward("rwkv7_tiny", "selective")
+    assert seen and all(s is None for s in seen)
+    seen.clear()
+    loss, grads, _ = forward_backward("rwkv7_tiny", "selective", recompute=["chunk_tensors"])
+    assert seen and all(s is not None and not s.keep_chunk_tensors for s in seen)
+
+
+@pytest.mark.parametrize("config, recompute, mode, expected", [
+    ("rwkv7_tiny", '["mlp_hidden"]', "none", "'selective'"),
+    ("rwkv7_tiny", '["chunk_tensors"]', "full", "'selective'"),
+    ("gsa_tiny", '["chunk_tensors"]', "selective", "model.name = 'gsa'"),
+    ("rwkv7_tiny", '["everything"]', "selective", "'mlp_hidden'"),
+])
+def test_recompute_that_cannot_apply_is_one_line(config, recompute, mode, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(f"configs/{config}.toml", [f"--training.recompute={recompute}",
+                                               f"--training.activation_checkpoint={mode}"])
+    line = str(e.value)
+    assert "training.recompute" in line and expected in line and "\n" not in line, line
+
+
+@pytest.mark.gpu
+def test_gpu_recompute_keeps_selectives_gradients(monkeypatch):
+    # compiled RWKV-7 blocks on the GPU, where the chunk op is the Triton kernel: with both parts recomputed the
+    # kernel's backward forms its per-chunk tensors again, and loss and gradients stay selective's
+    import torch._dynamo as dynamo
+
+    import kernels.rwkv7.chunk as chunk
+    from flame.parallel import compile_blocks
+
+    formed_again = []
+    real = chunk._chunk_tensors_again
+    monkeypatch.setattr(chunk, "_chunk_tensors_again", lambda *a: formed_again.append(1) or real(*a))
+    runs = {}
+    for recompute in ((), ("mlp_hidden", "chunk_tensors")):
+        cfg = load_config("configs/rwkv7_tiny.toml", ["--model.vocab_size=512"])
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        model.init_weights()
+        for block in model.layers:   # the zero-initialized output projections would hide the branches' gradients
+            block.attn.o_proj.weight.data.normal_(std=0.02)
+            block.ffn.value.weight.data.normal_(std=0.02)
+        model.cuda()
+        wrap_blocks(model, "selective", recompute)
+        dynamo.reset()
+        dynamo.utils.counters.clear()
+        compile_blocks(model)
+        ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
+        loss = model(ids, labels=ids)
+        loss.backward()
+        assert not dynamo.utils.counters["graph_break"], dict(dynamo.utils.counters["graph_break"])
+        runs[recompute] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        assert len(formed_again) == (len(model.layers) if recompute else 0), (recompute, len(formed_again))
+    (loss, grads), (lean_loss, lean_grads) = runs.values()
+    torch.testing.assert_close(lean_loss, loss, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        gap = (lean_grads[name] - g).norm() / g.norm().clamp_min(1e-30)
+        assert gap < 1e-4, (name, gap.item())

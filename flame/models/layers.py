@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), no biases (Llama's MLP; the parameter names are the checkpoints')."""
 
+    mlp_input_projections = ("gate_proj", "up_proj")   # (training.recompute = ["mlp_hidden"])
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)

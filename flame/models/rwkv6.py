@@ -126,6 +126,8 @@ class TimeMix(nn.Module):
 
 
 class ChannelMix(nn.Module):
+    mlp_input_projections = ("key",)   # (training.recompute = ["mlp_hidden"])
+
     def __init__(self, args: RWKV6Args, layer_id: int):
         super().__init__()
         self.args, self.layer_id = args, layer_id

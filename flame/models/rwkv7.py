@@ -18,13 +18,20 @@ from flame.models.args import RWKV7Args
 from flame.models.rwkv_shared import (RWKVCache, RWKVLayerCache, RWKVModel, norm_shift_mix_cached, norm_shift_mix_cp,
                                       ortho_init)
 from kernels.rwkv7 import chunk_rwkv7
+from kernels.rwkv7.chunk import Settings
 from kernels.rwkv7.decay import log_decay
 from kernels.rwkv7.step import recurrent_step
 from kernels.rwkv7_key import rwkv7_key
 from kernels.rwkv7_out import rwkv7_out
 
+STATES_ONLY = Settings(keep_chunk_tensors=False)
+"""The chunk kernel's default settings but for what it keeps: the chunk states alone."""
+
 
 class TimeMix(nn.Module):
+    keep_chunk_tensors = True
+    """False: the chunk kernel keeps its chunk states alone for backward (training.recompute = ["chunk_tensors"])."""
+
     def __init__(self, args: RWKV7Args, layer_id: int):
         super().__init__()
         self.args, self.layer_id = args, layer_id
@@ -121,17 +128,22 @@ class TimeMix(nn.Module):
         heads = lambda t: t.view(B, T, H, N)  # noqa: E731
         r_k = self.r_k
         if piece is not None:
-            o, link = chunk_rwkv7_cp(piece, heads(r), heads(z), k, heads(v), neg_kk, kk_a, self.w0, cu_seqlens)
+            o, link = chunk_rwkv7_cp(piece, heads(r), heads(z), k, heads(v), neg_kk, kk_a, self.w0, cu_seqlens,
+                                     self.chunk_settings())
             if link is not None:   # the chain's: its backward receives the final state's gradient before the op's
                 r_k = r_k + link
         elif cache is None:
             o, _ = chunk_rwkv7(heads(r), heads(z), k, heads(v), neg_kk, kk_a, scale=1.0, cu_seqlens=cu_seqlens,
-                               w_bias=self.w0)
+                               w_bias=self.w0, settings=self.chunk_settings())
         else:
             o = self.cached_op(heads(r), heads(z), self.w0, k, heads(v), neg_kk, kk_a, cu_seqlens, cache.state)
         # per-head GroupNorm (ln_x) + the r k bonus, gated
         o = rwkv7_out(o, heads(r), k, heads(v), r_k, self.ln_x.weight, self.ln_x.bias, g, self.ln_x.eps)
         return self.o_proj(o), v_first
+
+    def chunk_settings(self) -> Settings | None:
+        """The training chunk op's kernel settings: the defaults, or the chunk states alone kept."""
+        return None if self.keep_chunk_tensors else STATES_ONLY
 
     def value_and_gate_input(self, xv):
         """v_proj(xv) and the value residual gate's low-rank input xv @ v1 (layers > 0). With autograd on, one product
@@ -158,6 +170,8 @@ class TimeMix(nn.Module):
 
 
 class ChannelMix(nn.Module):
+    mlp_input_projections = ("key",)   # (training.recompute = ["mlp_hidden"])
+
     def __init__(self, args: RWKV7Args, layer_id: int):
         super().__init__()
         self.args, self.layer_id = args, layer_id
