@@ -180,14 +180,14 @@ def read_line(stream, timeout: float) -> str | None:
 
 
 def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300, without: tuple[str, ...] = (),
-               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+               extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -c script ARGS` in a process of its own, or as a job of `nproc` ranks joined as torchrun joins them, in
-    env(without) plus `extra_env`: on CPU forked from train_server(without) (torch and flame imported already), with
+    env(without) plus `extra`: on CPU forked from train_server(without) (torch and flame imported already), with
     CUDA a fresh process or torchrun."""
     cmd = [sys.executable, "-c", script, *args]
     if not torch.cuda.is_available():
-        return forked_train(cmd, timeout, nproc, script=script, without=without, extra_env=extra_env)
-    e = env(without, extra_env)
+        return forked_train(cmd, timeout, nproc, script=script, without=without, extra=extra)
+    e = env(without, extra)
     if nproc == 1:
         return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:  # torchrun runs a file, not -c
@@ -199,12 +199,12 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300, with
 
 
 def forked_train(cmd: list[str], timeout: float, nproc: int = 1, script: str | None = None,
-                 without: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+                 without: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """cmd (`python -m flame.train ARGS`, or with `script`, `python -c script ARGS`) as a job of `nproc` ranks of
-    train_server(without) in env(without) plus `extra_env`: the exit code (a failed rank's, or 0), and the ranks'
+    train_server(without) in env(without) plus `extra`: the exit code (a failed rank's, or 0), and the ranks'
     stdout and stderr, one after the other."""
     server = train_server(without)
-    base = env(without, extra_env)
+    base = env(without, extra)
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(free_port())}

@@ -137,7 +137,7 @@ def test_a_second_compiled_run_on_a_warm_cache(tmp_path):
 
     losses = []
     for _ in range(2):   # two processes (forked from the tests' server on CPU: its imports, nothing compiled)
-        proc = run_script(CACHED_COMPILE_SCRIPT, timeout=600, extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+        proc = run_script(CACHED_COMPILE_SCRIPT, timeout=600, extra={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses.append(float(proc.stdout.split()[-1]))
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
