@@ -4,7 +4,8 @@ full: a block keeps only its inputs; backward runs its whole forward again.
 selective: a block keeps the outputs of the ops that are expensive to run again (matmuls, attention, our chunk kernels,
 RWKV-7's output epilogue) and recomputes the rest (elementwise work, norms, activations, token shifts) from them in
 backward, so backward never repeats a matmul or a kernel. It costs more memory than full and less than none.
-training.recompute trades some of selective's speed back for memory, one named part at a time (RECOMPUTE_PARTS).
+training.recompute adds parts to what selective recomputes, trading some of its speed back for memory: "mlp_hidden"
+(the MLP's input matmuls run again) and "chunk_tensors" (RWKV-7's chunk op keeps its chunk states alone).
 """
 
 from __future__ import annotations
@@ -30,14 +31,6 @@ SAVED_GLUE_OPS = frozenset({"rwkv7_out"})
 input (its weight's gradient reads it), where recomputing it costs the epilogue's whole forward again (about 1 % of
 the 0.6B step for 2 GiB at 8 x 4096 tokens on one GPU)."""
 
-
-RECOMPUTE_PARTS = {
-    "mlp_hidden": "the MLP's hidden activations: its input projections' outputs (RWKV's channel-mix key, SwiGLU's gate "
-                  "and up), formed again in backward by one more matmul each",
-    "chunk_tensors": "RWKV-7's chunk kernel keeps its chunk states alone; its backward forms the per-chunk tensors "
-                     "again from them",
-}
-"""What training.recompute may name, on top of selective checkpointing."""
 
 MLP_INPUTS = "mlp_input_projections"
 """An MLP module's class attribute: the names of its nn.Linear inputs (whose outputs "mlp_hidden" recomputes)."""
@@ -128,7 +121,7 @@ class PolicyAC(ActivationCheckpointing):
 
 def wrap_blocks(model: nn.Module, mode: str, recompute: tuple[str, ...] | list[str] = ()) -> None:
     """Replace each block of `model.layers` by its checkpoint wrapper ("full" or "selective"; "none" does nothing);
-    with "selective", `recompute` names RECOMPUTE_PARTS to recompute too.
+    with "selective", `recompute` names the parts it recomputes too (training.recompute).
     The wrapper holds the block as `_checkpoint_wrapped_module`, which FSDP and the state dict see through.
     A context-parallel model's full checkpointing keeps its exchanges' outputs and recomputes everything else: run
     again, the chain's receive would wait for a send that never comes (and the gather would gather again)."""
