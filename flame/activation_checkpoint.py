@@ -5,7 +5,8 @@ selective: a block keeps the outputs of the ops that are expensive to run again 
 RWKV-7's output epilogue) and recomputes the rest (elementwise work, norms, activations, token shifts) from them in
 backward, so backward never repeats a matmul or a kernel. It costs more memory than full and less than none.
 training.recompute adds parts to what selective recomputes, trading some of its speed back for memory: "mlp_hidden"
-(the MLP's input matmuls run again) and "chunk_tensors" (RWKV-7's chunk op keeps its chunk states alone).
+(the MLP's input matmuls run again), "low_rank" (the low-rank projections' wide up matmuls run again) and
+"chunk_tensors" (RWKV-7's chunk op keeps its chunk states alone).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ input (its weight's gradient reads it), where recomputing it costs the epilogue'
 the 0.6B step for 2 GiB at 8 x 4096 tokens on one GPU)."""
 
 
-MLP_INPUTS = "mlp_input_projections"
-"""An MLP module's class attribute: the names of its nn.Linear inputs (whose outputs "mlp_hidden" recomputes)."""
+RECOMPUTED_MATMULS = {"mlp_hidden": "mlp_input_projections", "low_rank": "low_rank_up_projections"}
+"""training.recompute's matmul parts, each with the module attribute that names the weights (nn.Linear or raw, used
+as x @ w) whose matmul outputs the part recomputes instead of keeping."""
 KEEP_CHUNK_TENSORS = "keep_chunk_tensors"
 """A time-mixing module's attribute: False makes its chunk kernel keep the chunk states alone ("chunk_tensors")."""
 
@@ -54,49 +56,58 @@ def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if saves_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _matmul_width(func, args) -> int | None:
-    """The output width of a 2-D matmul (mm, addmm, linear), else None."""
+def _matmul_shape(func, args) -> tuple[int, int] | None:
+    """(contraction, output width) of a matmul (mm, addmm, bmm, linear), else None."""
     if getattr(func, "namespace", None) != "aten":
         return None
     name = func._opname
-    if name == "mm":
-        return args[1].shape[-1]
+    if name in ("mm", "bmm"):
+        return args[0].shape[-1], args[1].shape[-1]
     if name == "addmm":
-        return args[2].shape[-1]
+        return args[1].shape[-1], args[2].shape[-1]
     if name == "linear":
-        return args[1].shape[0]
+        return args[1].shape[1], args[1].shape[0]
     return None
 
 
-def _recomputing_widths(widths: frozenset[int]):
-    """Selective's policy, except that matmuls whose output is one of `widths` wide are recomputed. The policy sees
-    ops, not modules (under torch.compile it runs on the traced graph), so the MLP's matmuls are known by width:
-    mlp_hidden_widths makes sure no other matmul of a block has it."""
+def _recomputing(shapes: frozenset[tuple[int, int]]):
+    """Selective's policy, except that matmuls of these (contraction, output width) are recomputed. The policy sees
+    ops, not modules (under torch.compile it runs on the traced graph), so it knows the parts' matmuls by their
+    shapes: recomputed_matmuls makes sure no other parameter of a block multiplies with one of them."""
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if _matmul_width(func, args) in widths:
+        if _matmul_shape(func, args) in shapes:
             return CheckpointPolicy.PREFER_RECOMPUTE
         return _policy(ctx, func, *args, **kwargs)
     return policy
 
 
-def mlp_hidden_widths(model: nn.Module) -> frozenset[int]:
-    """The output widths of the blocks' MLP input projections, checked to be no other 2-D parameter's dimension in
-    the blocks (a projection of that width elsewhere would be recomputed too)."""
-    widths, mlp_params = set(), set()
-    for block in model.layers:
-        for module in block.modules():
-            for name in getattr(module, MLP_INPUTS, ()):
-                widths.add(getattr(module, name).out_features)
-            if hasattr(module, MLP_INPUTS):
-                mlp_params.update(id(p) for p in module.parameters())
-    if not widths:
-        raise ConfigError("training.recompute", f"no 'mlp_hidden' for {type(model).__name__}, whose blocks have no MLP")
+def _weight_shape(p: nn.Parameter, linear_shapes: dict) -> tuple[int, int]:
+    """(contraction, output width) of the matmul a weight enters: an nn.Linear's (in, out), else x @ p's."""
+    return linear_shapes.get(id(p), tuple(p.shape[-2:]))
+
+
+def recomputed_matmuls(model: nn.Module, parts) -> frozenset[tuple[int, int]]:
+    """The (contraction, output width) of the matmuls that training.recompute's `parts` name (RECOMPUTED_MATMULS),
+    checked to be no other block parameter's."""
+    linear_shapes = {id(m.weight): (m.in_features, m.out_features) for m in model.layers.modules()
+                     if isinstance(m, nn.Linear)}
+    shapes, named = {}, set()
+    for part in parts:
+        attribute = RECOMPUTED_MATMULS[part]
+        weights = [getattr(m, name) for m in model.layers.modules() for name in getattr(m, attribute, ())
+                   if getattr(m, name, None) is not None]   # (RWKV-7's first layer has no value-residual LoRA)
+        if not weights:
+            raise ConfigError("training.recompute", f"no {part!r} for {type(model).__name__}, whose blocks have none")
+        for w in weights:
+            w = w.weight if isinstance(w, nn.Linear) else w
+            shapes[_weight_shape(w, linear_shapes)] = part
+            named.add(id(w))
     for name, p in model.layers.named_parameters():
-        clash = widths.intersection(p.shape) if p.dim() == 2 and id(p) not in mlp_params else set()
-        if clash:
-            raise ConfigError("training.recompute", f"no 'mlp_hidden' while the MLP's width {min(clash)} is also a "
-                              f"dimension of {name} (its matmul would be recomputed too)")
-    return frozenset(widths)
+        shape = _weight_shape(p, linear_shapes) if p.dim() >= 2 and id(p) not in named else None
+        if shape in shapes:
+            raise ConfigError("training.recompute", f"no {shapes[shape]!r} while {name} multiplies {shape[0]} -> "
+                              f"{shape[1]} as well (its matmul would be recomputed too)")
+    return frozenset(shapes)
 
 
 def _exchanges_only_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -130,7 +141,7 @@ def wrap_blocks(model: nn.Module, mode: str, recompute: tuple[str, ...] | list[s
     elif mode == "full":
         FullAC(FullAC.Config()).apply(model)
     elif mode == "selective":
-        widths = mlp_hidden_widths(model) if "mlp_hidden" in recompute else frozenset()
+        shapes = recomputed_matmuls(model, [p for p in recompute if p in RECOMPUTED_MATMULS])
         if "chunk_tensors" in recompute:
             kernels = [m for m in model.layers.modules() if hasattr(m, KEEP_CHUNK_TENSORS)]
             if not kernels:
@@ -138,4 +149,4 @@ def wrap_blocks(model: nn.Module, mode: str, recompute: tuple[str, ...] | list[s
                                   "kernel keeps what it keeps")
             for m in kernels:
                 setattr(m, KEEP_CHUNK_TENSORS, False)
-        PolicyAC(_recomputing_widths(widths) if widths else _policy).apply(model)
+        PolicyAC(_recomputing(shapes) if shapes else _policy).apply(model)

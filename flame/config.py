@@ -126,10 +126,11 @@ class TrainingConfig:
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     """Per block: 'full' keeps only its input and reruns it in backward; 'selective' keeps the outputs of matmuls,
     attention and chunk kernels, and recomputes the rest (elementwise work, norms): flame/activation_checkpoint.py."""
-    recompute: list[Literal["mlp_hidden", "chunk_tensors"]] = field(default_factory=list)
+    recompute: list[Literal["mlp_hidden", "low_rank", "chunk_tensors"]] = field(default_factory=list)
     """With activation_checkpoint = 'selective', parts recomputed in backward too, for less memory at some speed:
-    'mlp_hidden' the MLP's hidden activations (one more matmul per input projection), 'chunk_tensors' RWKV-7's chunk
-    kernel's per-chunk tensors (it keeps its chunk states alone). Each one's cost: docs/configuration.md."""
+    'mlp_hidden' the MLP's hidden activations (one more matmul per input projection), 'low_rank' the wide outputs of
+    RWKV's low-rank projections (one more thin matmul each), 'chunk_tensors' RWKV-7's chunk kernel's per-chunk tensors
+    (it keeps its chunk states alone). Each one's cost: docs/configuration.md."""
     max_consecutive_skips: int = 10
     """Stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
     deterministic: bool = False

@@ -2,7 +2,8 @@
 repeats no matmul of the forward (full's repeats them all) but does recompute the cheap ops, and its wrapped blocks
 compile without a graph break; a short training run under selective checkpointing logs the losses of a run without
 (and its time to first step once); a bad value stops with one line. training.recompute: the MLP's input matmuls
-run again and nothing else, RWKV-7's chunk op is told to keep its states alone, results unchanged."""
+and the low-rank up matmuls run again and nothing else, RWKV-7's chunk op is told to keep its states alone, results
+unchanged."""
 
 from __future__ import annotations
 
@@ -141,22 +142,33 @@ def test_unknown_choice_is_one_line_naming_the_key(tmp_path):
     assert "training.activation_checkpoint" in line and "'selective'" in line and "\n" not in line
 
 
-@pytest.mark.parametrize("config", ["rwkv7_tiny", "rwkv6_tiny", "gsa_tiny", "transformer_tiny"])
-def test_recomputing_mlp_hidden_reruns_the_mlp_input_matmuls_alone(config):
+@pytest.mark.parametrize("config, part, attribute", [
+    ("rwkv7_tiny", "mlp_hidden", "mlp_input_projections"), ("rwkv6_tiny", "mlp_hidden", "mlp_input_projections"),
+    ("gsa_tiny", "mlp_hidden", "mlp_input_projections"), ("transformer_tiny", "mlp_hidden", "mlp_input_projections"),
+    ("rwkv7_tiny", "low_rank", "low_rank_up_projections"), ("rwkv6_tiny", "low_rank", "low_rank_up_projections"),
+])
+def test_a_recomputed_part_reruns_its_matmuls_alone(config, part, attribute):
     loss, grads, selective = forward_backward(config, "selective")
-    lean_loss, lean_grads, lean = forward_backward(config, "selective", recompute=["mlp_hidden"])
+    lean_loss, lean_grads, lean = forward_backward(config, "selective", recompute=[part])
     torch.testing.assert_close(lean_loss, loss, rtol=0, atol=0)
     for name, g in grads.items():
         torch.testing.assert_close(lean_grads[name], g, rtol=0, atol=0, msg=name)
     model = build_model(load_config(f"configs/{config}.toml").model)
-    inputs = sum(len(m.mlp_input_projections) for m in model.layers.modules() if hasattr(m, "mlp_input_projections"))
-    assert inputs >= len(model.layers)
-    assert lean.matmuls == selective.matmuls + inputs, (lean.matmuls, selective.matmuls, inputs)
+    named = sum(getattr(m, name, None) is not None for m in model.layers.modules() for name in getattr(m, attribute, ()))
+    assert named >= len(model.layers)
+    assert lean.matmuls == selective.matmuls + named, (lean.matmuls, selective.matmuls, named)
+
+
+@pytest.mark.parametrize("config", ["gsa_tiny", "transformer_tiny"])
+def test_low_rank_without_low_rank_projections_is_refused(config):
+    with pytest.raises(ConfigError) as e:
+        forward_backward(config, "selective", recompute=["low_rank"])
+    assert "'low_rank'" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mlp_hidden_refuses_a_width_another_matmul_has():
-    # the policy knows the MLP's matmuls by their output width: an attention projection as wide would be recomputed
-    # too, so such a model is refused with one line
+    # the policy knows the MLP's matmuls by their shapes: an attention projection of the same shape would be
+    # recomputed too, so such a model is refused with one line
     with pytest.raises(ConfigError) as e:
         forward_backward("transformer_tiny", "selective", recompute=["mlp_hidden"],
                          overrides=["--model.intermediate_size=128"])
@@ -193,7 +205,7 @@ def test_recompute_that_cannot_apply_is_one_line(config, recompute, mode, expect
 
 @pytest.mark.gpu
 def test_gpu_recompute_keeps_selectives_gradients(monkeypatch):
-    # compiled RWKV-7 blocks on the GPU, where the chunk op is the Triton kernel: with both parts recomputed the
+    # compiled RWKV-7 blocks on the GPU, where the chunk op is the Triton kernel: with every part recomputed the
     # kernel's backward forms its per-chunk tensors again, and loss and gradients stay selective's
     import torch._dynamo as dynamo
 
@@ -204,7 +216,7 @@ def test_gpu_recompute_keeps_selectives_gradients(monkeypatch):
     real = chunk._chunk_tensors_again
     monkeypatch.setattr(chunk, "_chunk_tensors_again", lambda *a: formed_again.append(1) or real(*a))
     runs = {}
-    for recompute in ((), ("mlp_hidden", "chunk_tensors")):
+    for recompute in ((), ("mlp_hidden", "low_rank", "chunk_tensors")):
         cfg = load_config("configs/rwkv7_tiny.toml", ["--model.vocab_size=512"])
         torch.manual_seed(0)
         model = build_model(cfg.model)

@@ -29,6 +29,8 @@ MIXES = ("w", "k", "v", "r", "g")
 
 
 class TimeMix(nn.Module):
+    low_rank_up_projections = ("maa_w2", "decay_w2")   # (training.recompute = ["low_rank"])
+
     def __init__(self, args: RWKV6Args, layer_id: int):
         super().__init__()
         self.args, self.layer_id = args, layer_id

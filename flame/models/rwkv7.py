@@ -29,6 +29,7 @@ STATES_ONLY = Settings(keep_chunk_tensors=False)
 
 
 class TimeMix(nn.Module):
+    low_rank_up_projections = ("w2", "a2", "g2", "v2")   # (training.recompute = ["low_rank"])
     keep_chunk_tensors = True
     """False: the chunk kernel keeps its chunk states alone for backward (training.recompute = ["chunk_tensors"])."""
 
