@@ -1,10 +1,10 @@
 """Where a training step's GPU time goes: one forward + backward of a config's model on random tokens, bf16 parameters,
-under the PyTorch profiler; prints the total, the time by kind (flame.profiling's groups: matmuls, our Triton kernels,
-Inductor's, ...) and the kernels taking the most time. No data, no optimizer, no FSDP: the model's own compute only (the
-micro-batch may be smaller than the config's, to fit).
+under the PyTorch profiler; prints the total, the peak memory, the time by kind (flame.profiling's groups: matmuls, our
+Triton kernels, Inductor's, ...) and the kernels taking the most time. No data, no optimizer, no FSDP: the model's own
+compute only (the micro-batch may be smaller than the config's, to fit).
 
     python benchmarks/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
-        [--activation-checkpoint none|selective|full]
+        [--activation-checkpoint none|selective|full] [--recompute mlp_hidden,low_rank,chunk_tensors]
 """
 
 from __future__ import annotations
@@ -29,17 +29,24 @@ def main():
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="torch.compile each block, as training.compile does")
     p.add_argument("--activation-checkpoint", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--recompute", default="", help="training.recompute's parts, comma-separated (with selective)")
     a = p.parse_args()
-    from flame.config import load_config
+    from flame.config import ConfigError, load_config
     from flame.models import build_model
     from flame.parallel import prepare_blocks
 
-    cfg = load_config(a.config)
+    recompute = [part for part in a.recompute.split(",") if part]
+    try:   # (checks the parts against the model and the checkpointing)
+        cfg = load_config(a.config, [f"--training.activation_checkpoint={a.activation_checkpoint}",
+                                     f"--training.recompute={recompute}"])
+    except ConfigError as e:
+        print(f"profile_step: {e}", file=sys.stderr)
+        sys.exit(2)
     T = a.seq_len or cfg.training.seq_len
     model = build_model(cfg.model).cuda()
     model.init_weights()
     model.to(torch.bfloat16)
-    prepare_blocks(model, a.activation_checkpoint, a.compile)
+    prepare_blocks(model, a.activation_checkpoint, a.compile, recompute)
     ids = torch.randint(0, cfg.model.vocab_size, (a.batch, T), device="cuda")
 
     def step():
@@ -47,11 +54,15 @@ def main():
         model.zero_grad(set_to_none=True)
 
     step()   # compiles the kernels (and the blocks)
+    torch.cuda.reset_peak_memory_stats()
     step()
+    peak = torch.cuda.max_memory_allocated() / 2**30
     rows = sorted(kernel_times(step), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
-    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({a.activation_checkpoint} checkpointing) on "
-          f"{torch.cuda.get_device_name()}: {total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches")
+    checkpointing = a.activation_checkpoint + "".join(f", {part}" for part in recompute)
+    print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({checkpointing} checkpointing) on "
+          f"{torch.cuda.get_device_name()}: {total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches, "
+          f"peak memory {peak:.2f} GiB")
     print("by kind (flame.profiling's groups): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in by_kind(rows)))
     for name, ms, count in rows[:a.top]:
         print(f"  {ms:8.2f} ms {100 * ms / total:5.1f} % {count:5d}x  {name[:100]}")
