@@ -26,6 +26,8 @@ from kernels.limits import CHUNK_MULTIPLE
 
 CONTEXT_PARALLEL_MODELS = ("rwkv7", "rwkv6", "gsa")
 """The models whose layers run as pieces of a sequence (flame/context_parallel.py)."""
+RECOMPUTE_MODELS = {"low_rank": ("rwkv7", "rwkv6"), "chunk_tensors": ("rwkv7",)}
+"""training.recompute's parts that only some models have (the others apply to every model)."""
 
 
 # ----------------------------------------------------------------------------------------------------------- sections
@@ -302,9 +304,10 @@ class Config:
             getattr(self, f.name).validate()
         if self.validation.enable:
             check(bool(self.data.eval_sources), "data.eval_sources", "at least one source when validation.enable")
-        check("chunk_tensors" not in self.training.recompute or self.model.name == "rwkv7", "training.recompute",
-              f"no 'chunk_tensors' with model.name = {self.model.name!r} (only RWKV-7's chunk kernel can keep its "
-              "chunk states alone)", self.training.recompute)
+        for part in self.training.recompute:
+            models = RECOMPUTE_MODELS.get(part, (self.model.name,))
+            check(self.model.name in models, "training.recompute",
+                  f"no {part!r} with model.name = {self.model.name!r} (only {', '.join(models)})", self.training.recompute)
         cp = self.parallelism.context_parallel_degree
         if cp > 1:
             check(self.model.name in CONTEXT_PARALLEL_MODELS, "parallelism.context_parallel_degree",

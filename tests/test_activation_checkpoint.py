@@ -193,6 +193,7 @@ def test_chunk_tensors_tells_rwkv7s_chunk_op_to_keep_its_states_alone(monkeypatc
     ("rwkv7_tiny", '["mlp_hidden"]', "none", "'selective'"),
     ("rwkv7_tiny", '["chunk_tensors"]', "full", "'selective'"),
     ("gsa_tiny", '["chunk_tensors"]', "selective", "model.name = 'gsa'"),
+    ("transformer_tiny", '["low_rank"]', "selective", "model.name = 'transformer'"),
     ("rwkv7_tiny", '["everything"]', "selective", "'mlp_hidden'"),
 ])
 def test_recompute_that_cannot_apply_is_one_line(config, recompute, mode, expected):
