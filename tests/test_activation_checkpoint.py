@@ -159,6 +159,45 @@ def test_a_recomputed_part_reruns_its_matmuls_alone(config, part, attribute):
     assert lean.matmuls == selective.matmuls + named, (lean.matmuls, selective.matmuls, named)
 
 
+@pytest.mark.parametrize("config, part, attribute", [
+    ("rwkv7_tiny", "mlp_hidden", "mlp_input_projections"), ("rwkv7_tiny", "low_rank", "low_rank_up_projections"),
+    ("transformer_tiny", "mlp_hidden", "mlp_input_projections"),
+])
+def test_compiled_backward_holds_the_parts_matmuls(config, part, attribute, monkeypatch):
+    # Compiled, the policy's choices go through AOTAutograd's min-cut partitioner (Inductor's), which may keep or
+    # recompute on its own: each block's backward graph must hold one more matmul per named weight, and no other.
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    import torch._dynamo as dynamo
+    from flame.parallel import compile_blocks
+
+    matmuls = []
+
+    def count(gm, _):
+        matmuls.append(sum(n.op == "call_function" and getattr(n.target, "_opname", "") in MATMULS
+                           for n in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=count,
+                           partition_fn=min_cut_rematerialization_partition)
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compile_(self, backend=backend))
+    totals = []
+    for recompute in ([], [part]):
+        dynamo.reset()
+        matmuls.clear()
+        forward_backward(config, "selective", compile_blocks, recompute=recompute)
+        totals.append(sum(matmuls))
+    model = build_model(load_config(f"configs/{config}.toml").model)
+    per_layer = [sum(getattr(m, name, None) is not None for m in block.modules() for name in getattr(m, attribute, ()))
+                 for block in model.layers]
+    # RWKV-7's first layer compiles a graph of its own (v_first); the Transformer's layers share one
+    graphs = {"rwkv7_tiny": per_layer, "transformer_tiny": per_layer[:1]}[config]
+    assert len(matmuls) == len(graphs), matmuls
+    assert totals[1] == totals[0] + sum(graphs), (totals, graphs)
+
+
 @pytest.mark.parametrize("config", ["gsa_tiny", "transformer_tiny"])
 def test_low_rank_without_low_rank_projections_is_refused(config):
     with pytest.raises(ConfigError) as e:
