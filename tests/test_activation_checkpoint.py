@@ -54,6 +54,13 @@ def forward_backward(config: str, mode: str, compile_blocks=None, recompute=(), 
     return loss.detach(), grads, backward_ops
 
 
+def named_weights_per_layer(config: str, attribute: str) -> list[int]:
+    """How many weights each block's modules name in `attribute` (a recompute part's: one matmul each)."""
+    model = build_model(load_config(f"configs/{config}.toml").model)
+    return [sum(getattr(m, name, None) is not None for m in block.modules() for name in getattr(m, attribute, ()))
+            for block in model.layers]
+
+
 @pytest.mark.parametrize("config", ["rwkv7_tiny", "gsa_tiny", "transformer_tiny"])
 def test_checkpointing_changes_what_backward_runs_not_its_results(config):
     runs = {mode: forward_backward(config, mode) for mode in MODES}
@@ -153,9 +160,9 @@ def test_a_recomputed_part_reruns_its_matmuls_alone(config, part, attribute):
     torch.testing.assert_close(lean_loss, loss, rtol=0, atol=0)
     for name, g in grads.items():
         torch.testing.assert_close(lean_grads[name], g, rtol=0, atol=0, msg=name)
-    model = build_model(load_config(f"configs/{config}.toml").model)
-    named = sum(getattr(m, name, None) is not None for m in model.layers.modules() for name in getattr(m, attribute, ()))
-    assert named >= len(model.layers)
+    per_layer = named_weights_per_layer(config, attribute)
+    named = sum(per_layer)
+    assert all(per_layer)
     assert lean.matmuls == selective.matmuls + named, (lean.matmuls, selective.matmuls, named)
 
 
@@ -189,9 +196,7 @@ def test_compiled_backward_holds_the_parts_matmuls(config, part, attribute, monk
         matmuls.clear()
         forward_backward(config, "selective", compile_blocks, recompute=recompute)
         totals.append(sum(matmuls))
-    model = build_model(load_config(f"configs/{config}.toml").model)
-    per_layer = [sum(getattr(m, name, None) is not None for m in block.modules() for name in getattr(m, attribute, ()))
-                 for block in model.layers]
+    per_layer = named_weights_per_layer(config, attribute)
     # RWKV-7's first layer compiles a graph of its own (v_first); the Transformer's layers share one
     graphs = {"rwkv7_tiny": per_layer, "transformer_tiny": per_layer[:1]}[config]
     assert len(matmuls) == len(graphs), matmuls
