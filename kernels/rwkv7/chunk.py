@@ -79,12 +79,13 @@ class Settings:
     chunk in parallel (_fwd_prep, then U = W h + Uv): what a layer's op keeps under selective checkpointing drops
     to 0.46 of it by the tensors' sizes (the 0.6B at 8 x 4096: 734 to 335 MB a layer), for a second _fwd_prep in
     the backward."""
-    bwd_dh_chunks: int = 256
+    bwd_dh_chunks: int = 1024
     """Over equal rows the backward holds the chunk-end state gradients dh (fp32 K x V per chunk and head: 16 KiB at
     K = V = 64, twice the bf16 chunk state) for about this many chunks at a time instead of all: _bwd_scan and
     _bwd_chunk run in turn per group (sequence scans: segments of this / N chunks of every sequence, the last first,
     the state gradient carried between them; blocked scans: runs of this / block_chunks blocks). 0: all at once
-    (packed sequences always)."""
+    (packed sequences always). 1024: two groups at 8 x 4096, one pass's time for half its dh; each group costs
+    two launches (tens of microseconds of host time each) and a last partial wave."""
 
     def scan_tile(self, V: int, sequences_x_heads: int) -> int:
         return self.scan_bv or scan_tile(V, sequences_x_heads)
