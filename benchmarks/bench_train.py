@@ -52,6 +52,7 @@ VARIANTS = {
     "compile+sac+mlp": ["--training.compile=true", SAC, '--training.recompute=["mlp_hidden"]'],
     "compile+sac+mlp+chunk": ["--training.compile=true", SAC, '--training.recompute=["mlp_hidden","chunk_tensors"]'],
     "compile+sac+lowrank": ["--training.compile=true", SAC, '--training.recompute=["low_rank"]'],
+    "compile+sac+lowrank+mlp": ["--training.compile=true", SAC, '--training.recompute=["low_rank","mlp_hidden"]'],
     "hsdp": ["--parallelism.dp_replicate=2"],
     "cp": [],  # context_parallel_degree and seq_len from the process count: cp_args
     "cp-gather": ["--parallelism.context_parallel_exchange=gather"],  # "cp" through the all-gathers
