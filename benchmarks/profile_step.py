@@ -1,6 +1,8 @@
 """Where a training step's GPU time goes: one forward + backward of a config's model on random tokens, bf16 parameters,
 under the PyTorch profiler; prints the total, the peak memory, the time by kind (flame.profiling's groups: matmuls, our
-Triton kernels, Inductor's, ...) and the kernels taking the most time. No data, no optimizer, no FSDP: the model's own
+Triton kernels, Inductor's, ...) and the kernels taking the most time. Then the wall time of a step unprofiled: where
+it exceeds the GPU time, the host (Python, dispatch, launches) bounds the step; at a small --batch the wall time is the
+host's cost of a step. No data, no optimizer, no FSDP: the model's own
 compute only (the micro-batch may be smaller than the config's, to fit).
 
     python benchmarks/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
@@ -63,9 +65,26 @@ def main():
     print(f"{cfg.model.name}: one fwd+bwd of {a.batch} x {T} tokens ({checkpointing} checkpointing) on "
           f"{torch.cuda.get_device_name()}: {total:.1f} ms of GPU time in {sum(c for *_, c in rows)} kernel launches, "
           f"peak memory {peak:.2f} GiB")
+    wall = wall_ms(step)
+    print(f"wall time of a step, unprofiled: {wall:.1f} ms against the GPU's {total:.1f} ms: "
+          f"{'the host' if wall > 1.05 * total else 'the GPU'} bounds it")
     print("by kind (flame.profiling's groups): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in by_kind(rows)))
     for name, ms, count in rows[:a.top]:
         print(f"  {ms:8.2f} ms {100 * ms / total:5.1f} % {count:5d}x  {name[:100]}")
+
+
+def wall_ms(step, steps: int = 5) -> float:
+    """Median wall time of a step, the device synchronized after each (the host issues a step's work, then waits)."""
+    import time
+
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[steps // 2]
 
 
 def by_kind(rows) -> list[tuple[str, float]]:
