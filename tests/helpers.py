@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -63,6 +64,25 @@ interval = 1000
 [metrics]
 log_freq = 1
 """
+
+
+@contextlib.contextmanager
+def one_rank(monkeypatch):
+    """A job of one process (gloo on the CPU), as flame.train becomes without torchrun; yields its flame Dist."""
+    import torch.distributed as dist
+
+    from flame.config import ParallelismConfig
+    from flame.parallel import init_distributed
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    d = init_distributed(ParallelismConfig())
+    try:
+        yield d
+    finally:
+        dist.destroy_process_group()
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
 
 
 def write_config(tmp_path: Path, name: str = "run", text: str = TINY) -> tuple[Path, Path]:

@@ -1,22 +1,20 @@
 """Optimizer groups: RWKV-7 gets RWKV-LM's (checked against RWKV-LM's rule on RWKV-LM's names), on the wrapped
 model the trainer builds too; w0's 2x learning rate holds under the schedule and across a resume; models without
-their own groups (Transformer, GSA) keep the default rule."""
+their own groups (Transformer, GSA) keep the default rule; the fused step on FSDP's shards is torch's, bit for bit."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from flame.config import LRSchedulerConfig, OptimizerConfig, ParallelismConfig
+from flame.config import LRSchedulerConfig, OptimizerConfig
 from flame.models import build_model, model_args_class
-from flame.optim import ParamGroup, build_lr_scheduler, build_optimizer, clean_name
+from flame.optim import AdamW, ParamGroup, build_lr_scheduler, build_optimizer, clean_name, local
+from tests.helpers import one_rank
 
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1)
 
@@ -88,7 +86,7 @@ def test_rwkv7_groups_are_rwkv_lm_groups():
 def test_groups_by_clean_names_on_the_parallelized_model(monkeypatch):
     """FSDP2 (DTensor parameters) around activation-checkpoint wrappers, and a torch.compile wrapper: the same
     groups as on the plain model."""
-    from flame.parallel import init_distributed, parallelize
+    from flame.parallel import parallelize
 
     def names(model, opt):
         return {g["name"]: sorted(clean_name(n) for n, p in model.named_parameters()
@@ -105,10 +103,7 @@ def test_groups_by_clean_names_on_the_parallelized_model(monkeypatch):
     opt = build_optimizer(compiled, OPT)
     assert names(compiled, opt) == expected_names
 
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    d = init_distributed(ParallelismConfig())
-    try:
+    with one_rank(monkeypatch) as d:
         model = parallelize(tiny_rwkv7(layers=2), d, param_dtype="float32", reduce_dtype="float32",
                             activation_checkpoint="full", compile=False)
         assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
@@ -116,10 +111,48 @@ def test_groups_by_clean_names_on_the_parallelized_model(monkeypatch):
         opt = build_optimizer(model, OPT)
         assert {g["name"]: g["lr"] for g in opt.param_groups} == expected
         assert names(model, opt) == expected_names
-    finally:
-        dist.destroy_process_group()
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(k, None)
+
+
+def test_fused_step_on_local_shards_is_torchs_bit_for_bit(monkeypatch):
+    """FSDP's DTensor parameters: our AdamW's step (the fused kernel on the local tensors) leaves parameters, moments
+    and step counts exactly as torch's AdamW does over four steps in RWKV-7's three groups (two lrs, decay and none), one
+    of them skipped through found_inf; the kernel sees plain tensors, never a DTensor."""
+    from flame.parallel import parallelize
+
+    seen = []
+    fused = torch._fused_adamw_
+
+    def spy(params, *args, **kwargs):
+        seen.append({type(p) for p in params})
+        return fused(params, *args, **kwargs)
+
+    with one_rank(monkeypatch) as d:
+        models = [parallelize(tiny_rwkv7(layers=2), d, param_dtype="float32", reduce_dtype="float32",
+                              activation_checkpoint="none", compile=False) for _ in range(2)]
+        ours = build_optimizer(models[0], OPT)
+        theirs = torch.optim.AdamW([dict(g, params=[dict(models[1].named_parameters())[n]
+                                                    for n, p in models[0].named_parameters()
+                                                    if any(p is q for q in g["params"])])
+                                    for g in ours.param_groups], fused=True)
+        assert type(ours) is AdamW and len({(g["lr"], g["weight_decay"]) for g in ours.param_groups}) == 3
+        for step, skip in enumerate([0.0, 0.0, 1.0, 0.0]):
+            gen = torch.Generator().manual_seed(step)
+            for p, q in zip(models[0].parameters(), models[1].parameters()):
+                g = torch.randn(p.to_local().shape, generator=gen).mul(1e-2)
+                p.grad = DTensor.from_local(g, p.device_mesh, p.placements)
+                q.grad = DTensor.from_local(g.clone(), q.device_mesh, q.placements)
+            for opt in (ours, theirs):
+                opt.found_inf = torch.tensor(skip)
+                with monkeypatch.context() as m:
+                    m.setattr(torch, "_fused_adamw_", spy if opt is ours else fused)
+                    opt.step()
+        assert len(seen) == 4 * 3 and all(types == {torch.Tensor} for types in seen), seen
+        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), n
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                a, b = ours.state[p][key], theirs.state[q][key]
+                assert torch.equal(local(a), local(b)), (n, key)
+            assert ours.state[p]["step"].item() == 3
 
 
 def test_w0_lr_is_twice_the_schedule_at_every_step_and_after_resume(tmp_path):
