@@ -27,7 +27,6 @@ if __name__ == "__main__":  # a rank starting up: before the slow imports, end w
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torchtitan.distributed.utils import clip_grad_norm_
 
 from flame import stop_signals
 from flame.checkpoint import (DATA_BOUND, WAYS_OUT, Checkpointer, check_compatible, check_resume_config,
@@ -38,6 +37,7 @@ from flame.context_parallel import split_batch
 from flame.data import NoDocumentError, build_train_loader, check_sources
 from flame.convert import load_init_weights
 from flame.export import ConvertError
+from flame.grad_clip import clip_grad_norm_
 from flame.heartbeat import Heartbeat, RankMissing, is_collective_failure
 from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
