@@ -25,7 +25,7 @@ from kernels.gsa.torch_chunk import chunk_gsa_torch
 from kernels.launch import launch, register_fake
 from kernels.limits import GSA_MAX_SLOTS
 from kernels.settings import from_text, to_text
-from kernels.utils import (check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
+from kernels.utils import (cdiv, check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
                            packed_rows, scan_tile)
 
 try:
@@ -100,7 +100,7 @@ class Settings:
         """Whether the forward stores no chunk state for N sequences of H heads."""
         if self.stateless_forward is not None:
             return self.stateless_forward
-        return N * H * triton.cdiv(V, 64) >= 128
+        return N * H * cdiv(V, 64) >= 128
 
 
 def _tile(D: int) -> int:
@@ -154,9 +154,9 @@ def _scan(g, cu, tables, first, second, want_ht, reverse, egc, split, st: Settin
     # fp16 where every tile of the kernels that read the states (_chunk_consts' BK, BV) lies within one scale group
     scaled = st.fp16_states and split and BD >= _tile(max(D1, D2))
     out = [(torch.empty(NT, H, M, D, device=g.device, dtype=torch.float16 if scaled else torch.float32),
-            torch.empty(NT, H, M, triton.cdiv(D, BD), **f32) if scaled else None,
+            torch.empty(NT, H, M, cdiv(D, BD), **f32) if scaled else None,
             torch.empty(N, H, M, D, **f32) if want_ht else None) for D in (D1, D2)]
-    grid = (N, H, triton.cdiv(D1, BD) + triton.cdiv(D2, BD))
+    grid = (N, H, cdiv(D1, BD) + cdiv(D2, BD))
     launch(_state_scan, grid, w1, x1, h01, *out[0], w2, x2, h02, *out[1], egc, cu, chunk_offsets, None, None,
            H=H, M=M, D1=D1, D2=D2, BT=st.chunk_len(M), BM=_slots(M), BD=BD, REVERSE=reverse,
            HAS_H0=h01 is not None, STORE_HT=want_ht, PREC=st.prec, SPLIT=split, EXACT=is_interpreting(),
@@ -176,9 +176,9 @@ def _key_scan(g, cu, tables, sE, k, hk0, q, want_ht, egc, split, st: Settings):
     BD = st.key_scan_bd or scan_tile(K, N * H)
     f32 = dict(device=g.device, dtype=torch.float32)
     hkt = torch.empty(N, H, M, K, **f32) if want_ht else None
-    zp = torch.empty(*g.shape[:3], triton.cdiv(K, BD) * M, **f32)
+    zp = torch.empty(*g.shape[:3], cdiv(K, BD) * M, **f32)
     # the second state's arguments repeat the first's: D2 = 0 never reads them
-    launch(_state_scan, (N, H, triton.cdiv(K, BD)), sE, k, hk0, None, None, hkt, sE, k, hk0, None, None, None, egc,
+    launch(_state_scan, (N, H, cdiv(K, BD)), sE, k, hk0, None, None, hkt, sE, k, hk0, None, None, None, egc,
            cu, chunk_offsets, q, zp, H=H, M=M, D1=K, D2=0, BT=st.chunk_len(M), BM=_slots(M), BD=BD, REVERSE=False,
            HAS_H0=hk0 is not None, STORE_HT=want_ht, PREC=st.prec, SPLIT=split, EXACT=is_interpreting(),
            LOGITS=True, num_warps=st.scan_warps)
@@ -195,7 +195,7 @@ def _out_scan(sE, v, hv0, want_ht, pe, a2, cu, tables, egc, split, st: Settings)
     o = torch.empty_like(v)
     hvt = torch.empty(N, H, M, V, device=v.device, dtype=torch.float32) if want_ht else None
     BD = st.out_scan_bd or scan_tile(V, N * H)
-    launch(kernel, (N, H, triton.cdiv(V, BD)), sE, v, hv0, hvt, egc, cu, chunk_offsets, pe, a2, o, H=H, M=M, D=V,
+    launch(kernel, (N, H, cdiv(V, BD)), sE, v, hv0, hvt, egc, cu, chunk_offsets, pe, a2, o, H=H, M=M, D=V,
            BT=st.chunk_len(M), BM=_slots(M), BD=BD, HAS_H0=hv0 is not None, STORE_HT=want_ht, PREC=st.prec,
            SPLIT=split, EXACT=is_interpreting(), num_warps=st.scan_warps)
     return o, hvt

@@ -26,7 +26,7 @@ from kernels.launch import launch, register_fake
 from kernels.limits import RWKV6_MAX_K
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
 from kernels.settings import from_text, to_text
-from kernels.utils import check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
+from kernels.utils import cdiv, check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _scan_states(x, y, w, scale, first, want_last, cu, tables, blocks, s: Settin
     BV = s.scan_tile(V, N * H)
     scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, REVERSE=reverse, PREC=s.prec, num_warps=s.scan_warps)
     if blocks is None:
-        launch(_scan, (N, H, triton.cdiv(V, BV)), x, y, w, cu, chunk_offsets, None, first, states, last, None, scale,
+        launch(_scan, (N, H, cdiv(V, BV)), x, y, w, cu, chunk_offsets, None, first, states, last, None, scale,
                BV=BV, BLOCKED=False, STORE_CHUNK=True, HAS_FIRST=first is not None, STORE_LAST=want_last, **scan)
         return states, last
     block_offsets, block_index, NB = blocks
@@ -124,12 +124,12 @@ def _scan_states(x, y, w, scale, first, want_last, cu, tables, blocks, s: Settin
     # per block, all at once: its last state from zero and its log decay; then the blocks in walk order; then the fill
     sb = torch.empty(NB, H, K, V, **f32)
     gb = torch.empty(NB, H, K, **f32)
-    launch(_scan, (NB, H, triton.cdiv(V, BVb)), x, y, w, cu, chunk_offsets, block_index, None, None, sb, gb, scale,
+    launch(_scan, (NB, H, cdiv(V, BVb)), x, y, w, cu, chunk_offsets, block_index, None, None, sb, gb, scale,
            BV=BVb, BLOCKED=True, STORE_CHUNK=False, HAS_FIRST=False, STORE_LAST=True, **scan)
     s_in = torch.empty(NB, H, K, V, **f32)
-    launch(_block_scan, (N, H, triton.cdiv(V, BV)), block_offsets, gb, sb, first, s_in, last, H=H, K=K, V=V, BK=BK,
+    launch(_block_scan, (N, H, cdiv(V, BV)), block_offsets, gb, sb, first, s_in, last, H=H, K=K, V=V, BK=BK,
            BV=BV, REVERSE=reverse, HAS_S0=first is not None, STORE_END=want_last, num_warps=s.scan_warps)
-    launch(_scan, (NB, H, triton.cdiv(V, BVb)), x, y, w, cu, chunk_offsets, block_index, s_in, states, None, None,
+    launch(_scan, (NB, H, cdiv(V, BVb)), x, y, w, cu, chunk_offsets, block_index, s_in, states, None, None,
            scale, BV=BVb, BLOCKED=True, STORE_CHUNK=True, HAS_FIRST=True, STORE_LAST=False, **scan)
     return states, last
 

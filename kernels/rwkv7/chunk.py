@@ -27,7 +27,7 @@ from kernels.limits import RWKV7_MAX_K
 from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import from_text, to_text
-from kernels.utils import check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
+from kernels.utils import cdiv, check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
 
 
 BWD_WARPS = 4
@@ -142,7 +142,7 @@ def _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s: Settings):
     V = v.shape[-1]
     U = torch.empty(1, T, H, V, device=r.device, dtype=kept_dtype(r, s))
     BV = min(s.chunk_bv, max(16, next_pow2(V)))
-    launch(_chunk_u, (tables[2], H, triton.cdiv(V, BV)), cu, tables[1], W, Uv, h, U, H=H, K=K, V=V, BT=s.chunk,
+    launch(_chunk_u, (tables[2], H, cdiv(V, BV)), cu, tables[1], W, Uv, h, U, H=H, K=K, V=V, BT=s.chunk,
            BK=max(16, next_pow2(K)), BV=BV, PREC=s.prec)
     return U, Arb, Ark, Aak, Tinv, wf
 
@@ -168,7 +168,7 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     tensors = (r, wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
     if blocks is None:
-        launch(_fwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, *per_chunk, None, None, scale, TT, V=V, BV=BV,
+        launch(_fwd_scan, (N, H, cdiv(V, BV)), *tensors, None, *per_chunk, None, None, scale, TT, V=V, BV=BV,
                BLOCKED=False, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht, num_warps=s.scan_warps, **scan)
         return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
     block_offsets, block_index, NB = blocks
@@ -177,15 +177,15 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     Mb = torch.empty(NB, H, K, K, **f32)
     Nb = torch.empty(NB, H, K, V, **f32)
     BVb, BVm = min(s.block_bv, max(16, next_pow2(V))), min(s.block_map_bv, next_pow2(K + V))
-    launch(_fwd_scan, (NB, H, triton.cdiv(K + V, BVm)), *tensors, block_index, *per_chunk, Nb, Mb, scale, TT, V=V,
+    launch(_fwd_scan, (NB, H, cdiv(K + V, BVm)), *tensors, block_index, *per_chunk, Nb, Mb, scale, TT, V=V,
            BV=BVm, BLOCKED=True, OUT=False, HAS_H0=False, STORE_HT=False, num_warps=s.block_map_warps, **scan)
     # in order, one product per block: the state entering every block (and the final state)
     hb = torch.empty(NB, H, K, V, **f32)
-    launch(_block_scan, (N, H, triton.cdiv(V, BV)), cu, block_offsets, Mb, Nb, h0, hb, ht, H=H, K=K, V=V,
+    launch(_block_scan, (N, H, cdiv(V, BV)), cu, block_offsets, Mb, Nb, h0, hb, ht, H=H, K=K, V=V,
            BL=BT * s.block_chunks, BK=BK, BV=BV, REVERSE=False, HAS_S0=h0 is not None, STORE_END=want_ht,
            PREC=s.prec, num_warps=s.scan_warps)
     # per block again: the chunk states, U and the output from the block's entering state
-    launch(_fwd_scan, (NB, H, triton.cdiv(V, BVb)), *tensors, block_index, *per_chunk, hb, None, scale, TT, V=V,
+    launch(_fwd_scan, (NB, H, cdiv(V, BVb)), *tensors, block_index, *per_chunk, hb, None, scale, TT, V=V,
            BV=BVb, BLOCKED=True, OUT=True, HAS_H0=False, STORE_HT=False, num_warps=s.scan_warps, **scan)
     return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
 
@@ -227,7 +227,7 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
         for first in reversed(range(0, C, L)):
             count = min(L, C - first)
             dS_end = dS if first + count < C else dht
-            launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS, None,
+            launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS, None,
                    scale, TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=True,
                    HAS_DHT=dS_end is not None, STORE_DH0=True, num_warps=s.scan_warps, **scan)
             launch(_bwd_chunk, (N * count, H), *ops, dh, *grads, first, count, C, **per_chunk)
@@ -235,28 +235,28 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     if blocks is None:
         dh = torch.empty(NT, H, K, V, **f32)
-        launch(_bwd_scan, (N, H, triton.cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
+        launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
                0, 0, BV=BV, BLOCKED=False, OUT=True, SEGMENT=False, HAS_DHT=dht is not None,
                STORE_DH0=h0 is not None, num_warps=s.scan_warps, **scan)
         launch(_bwd_chunk, (NT, H), *ops, dh, *grads, 0, NT, 0, **per_chunk)
     else:
         block_offsets, block_index, NB = blocks
         BVb = min(s.block_bv, max(16, next_pow2(V)))
-        grid = (NB, H, triton.cdiv(V, BVb))
+        grid = (NB, H, cdiv(V, BVb))
         # per block: R in dS_start = M^T dS_end + R; in reverse order: dS at every block's end; per block: the rest
         Rb = torch.empty(NB, H, K, V, **f32)
         launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, None, dZ, None, Rb, scale, TT, 0, 0, BV=BVb,
                BLOCKED=True, OUT=False, SEGMENT=False, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps,
                **scan)
         dhb = torch.empty(NB, H, K, V, **f32)
-        launch(_block_scan, (N, H, triton.cdiv(V, BV)), cu, block_offsets, Mb, Rb, dht, dhb, dh0, H=H, K=K, V=V,
+        launch(_block_scan, (N, H, cdiv(V, BV)), cu, block_offsets, Mb, Rb, dht, dhb, dh0, H=H, K=K, V=V,
                BL=BT * s.block_chunks, BK=BK, BV=BV, REVERSE=True, HAS_S0=dht is not None, STORE_END=h0 is not None,
                PREC=s.prec, num_warps=s.scan_warps)
         # the fill and the per-chunk gradients in turn per run of GB blocks (equal rows: a run's chunks are one
         # range of global chunks, [c_lo, c_hi)); dh holds one run's chunk ends
         Lb = s.block_chunks
         GB = max(1, s.bwd_dh_chunks // Lb) if C and s.bwd_dh_chunks else NB
-        per_seq = triton.cdiv(C, Lb) if C else 1
+        per_seq = cdiv(C, Lb) if C else 1
         dh = torch.empty(min(NT, GB * Lb) if C else NT, H, K, V, **f32)
         for g0 in range(0, NB, GB):
             g1 = min(NB, g0 + GB)
@@ -264,7 +264,7 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
             if C:   # block g is block g % per_seq of sequence g // per_seq
                 c_lo = g0 // per_seq * C + g0 % per_seq * Lb
                 c_hi = (g1 - 1) // per_seq * C + min(((g1 - 1) % per_seq + 1) * Lb, C)
-            launch(_bwd_scan, (g1 - g0, H, triton.cdiv(V, BVb)), *tensors, block_index[g0:], Arb, Tinv, None, dh, dZ,
+            launch(_bwd_scan, (g1 - g0, H, cdiv(V, BVb)), *tensors, block_index[g0:], Arb, Tinv, None, dh, dZ,
                    None, dhb[g0:], scale, TT, c_lo, 0, BV=BVb, BLOCKED=True, OUT=True, SEGMENT=False, HAS_DHT=False,
                    STORE_DH0=False, num_warps=s.scan_warps, **scan)
             launch(_bwd_chunk, (c_hi - c_lo, H), *ops, dh, *grads, c_lo, c_hi - c_lo, 0, **per_chunk)

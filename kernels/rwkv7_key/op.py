@@ -19,7 +19,7 @@ from torch import Tensor
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.rwkv7_key.naive import naive_rwkv7_key, naive_rwkv7_key_bwd
-from kernels.utils import next_pow2, uses_triton
+from kernels.utils import cdiv, next_pow2, uses_triton
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def _fwd_triton(k, a_lora, a0, k_k, k_a, head_dim: int, s: Settings):
     k2, a2 = _rows(k), _rows(a_lora)
     M, C = k2.shape
     outs = [torch.empty_like(k2) for _ in range(3)]
-    launch(_key_fwd, (triton.cdiv(M, s.fwd_tokens), C // head_dim), k2, a2, a0.contiguous(), k_k.contiguous(),
+    launch(_key_fwd, (cdiv(M, s.fwd_tokens), C // head_dim), k2, a2, a0.contiguous(), k_k.contiguous(),
            k_a.contiguous(), *outs, M, C=C, N=head_dim, BT=s.fwd_tokens, BN=next_pow2(head_dim), num_warps=s.warps)
     return tuple(o.view(k.shape) for o in outs)
 
@@ -57,7 +57,7 @@ def _bwd_triton(k, a_lora, a0, k_k, k_a, dk_new, dneg_kk, dkk_a, head_dim: int, 
 
     k2, a2 = _rows(k), _rows(a_lora)
     M, C = k2.shape
-    tiles = triton.cdiv(M, s.bwd_tokens)
+    tiles = cdiv(M, s.bwd_tokens)
     dk, da_lora = torch.empty_like(k2), torch.empty_like(a2)
     parts = torch.empty(2, tiles, C, device=k.device, dtype=torch.float32)
     launch(_key_bwd, (tiles, C // head_dim), k2, a2, a0.contiguous(), k_k.contiguous(), k_a.contiguous(),
@@ -124,8 +124,3 @@ def rwkv7_key(k: Tensor, a_lora: Tensor, a0: Tensor, k_k: Tensor, k_a: Tensor, h
     return torch.ops.flame.rwkv7_key(k, a_lora, a0, k_k, k_a, head_dim, backend or "auto",
                                      (settings or Settings()).encode())
 
-
-try:
-    import triton
-except ImportError:  # the torch path needs no Triton
-    triton = None

@@ -19,7 +19,7 @@ from torch import Tensor
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.rwkv7_out.naive import naive_rwkv7_out, naive_rwkv7_out_bwd
-from kernels.utils import next_pow2, uses_triton
+from kernels.utils import cdiv, next_pow2, uses_triton
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _fwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, eps: float, s: Settings):
     g2 = _rows(g, C)
     M = g2.shape[0]
     y = torch.empty_like(g2)
-    launch(_out_fwd, (triton.cdiv(M, s.fwd_tokens), H), *(_rows(x, C) for x in (o, r, k, v, r_k, ln_w, ln_b)), g2, y,
+    launch(_out_fwd, (cdiv(M, s.fwd_tokens), H), *(_rows(x, C) for x in (o, r, k, v, r_k, ln_w, ln_b)), g2, y,
            M, eps, C=C, N=N, BT=s.fwd_tokens, BN=next_pow2(N), num_warps=s.warps)
     return y.view(g.shape)
 
@@ -61,7 +61,7 @@ def _bwd_triton(o, r, k, v, r_k, ln_w, ln_b, g, dy, eps: float, s: Settings):
     C = H * N
     ins = [_rows(x, C) for x in (o, r, k, v, r_k, ln_w, ln_b, g, dy)]
     M = ins[-1].shape[0]
-    tiles = triton.cdiv(M, s.bwd_tokens)
+    tiles = cdiv(M, s.bwd_tokens)
     grads = [torch.empty_like(x) for x in ins[:4]] + [torch.empty_like(ins[7])]    # do, dr, dk, dv, dg
     parts = torch.empty(3, tiles, C, device=g.device, dtype=torch.float32)
     launch(_out_bwd, (tiles, H), *ins, *grads, parts[0], parts[1], parts[2], M, eps, C=C, N=N, BT=s.bwd_tokens,
@@ -119,8 +119,3 @@ def rwkv7_out(o: Tensor, r: Tensor, k: Tensor, v: Tensor, r_k: Tensor, ln_w: Ten
     return torch.ops.flame.rwkv7_out(o, r, k, v, r_k, ln_w, ln_b, g, float(eps), backend or "auto",
                                      (settings or Settings()).encode())
 
-
-try:
-    import triton
-except ImportError:  # the torch path needs no Triton
-    triton = None

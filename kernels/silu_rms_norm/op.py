@@ -18,7 +18,7 @@ from torch import Tensor
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.silu_rms_norm.naive import naive_silu_rms_norm, naive_silu_rms_norm_bwd
-from kernels.utils import next_pow2, uses_triton
+from kernels.utils import cdiv, next_pow2, uses_triton
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _fwd_triton(o: Tensor, w: Tensor, eps: float, s: Settings) -> Tensor:
     o2 = o.reshape(-1, C).contiguous()
     M = o2.shape[0]
     y = torch.empty_like(o2)
-    launch(_silu_norm_fwd, (triton.cdiv(M, s.fwd_rows),), o2, w, y, M, eps, C=C, BT=s.fwd_rows, BC=next_pow2(C),
+    launch(_silu_norm_fwd, (cdiv(M, s.fwd_rows),), o2, w, y, M, eps, C=C, BT=s.fwd_rows, BC=next_pow2(C),
            num_warps=s.warps)
     return y.view(o.shape)
 
@@ -55,7 +55,7 @@ def _bwd_triton(o: Tensor, w: Tensor, dy: Tensor, eps: float, s: Settings) -> tu
     C = o.shape[-1]
     o2, dy2 = (x.reshape(-1, C).contiguous() for x in (o, dy))
     M = o2.shape[0]
-    programs = triton.cdiv(M, s.bwd_rows * s.bwd_tiles)
+    programs = cdiv(M, s.bwd_rows * s.bwd_tiles)
     do = torch.empty_like(o2)
     part = torch.empty(programs, C, device=o.device, dtype=torch.float32)
     launch(_silu_norm_bwd, (programs,), o2, w, dy2, do, part, M, eps, C=C, BT=s.bwd_rows, BC=next_pow2(C),
@@ -105,8 +105,3 @@ def silu_rms_norm(o: Tensor, w: Tensor, eps: float = 1e-5, backend: str | None =
     """RMSNorm(silu(o)) w over the last dim, in o's dtype (module docstring)."""
     return torch.ops.flame.silu_rms_norm(o, w, float(eps), backend or "auto", (settings or Settings()).encode())
 
-
-try:
-    import triton
-except ImportError:  # the torch path needs no Triton
-    triton = None

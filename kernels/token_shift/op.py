@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 
 from kernels.launch import launch
 from kernels.settings import TextSettings
 from kernels.token_shift.naive import naive_norm_shift_mix, naive_norm_shift_mix_bwd
-from kernels.utils import next_pow2, uses_triton
+from kernels.utils import cdiv, next_pow2, uses_triton
 
 MAX_MIXES = 6   # the kernels take one pointer per output and per grad
 
@@ -77,7 +76,7 @@ def _fwd(x, weight, bias, eps, mix, keep, first, s: Settings):
     n = mix.shape[0]
     outs = [torch.empty_like(x) for _ in range(n)]
     stats = torch.empty(2, B, T, device=x.device, dtype=torch.float32)
-    launch(_norm_shift_mix_fwd, (triton.cdiv(T, s.fwd_bt), B), x, weight, bias, mix, keep, _keep_stride(keep, T),
+    launch(_norm_shift_mix_fwd, (cdiv(T, s.fwd_bt), B), x, weight, bias, mix, keep, _keep_stride(keep, T),
            first, stats, *_six(outs),
            B, T, C, eps, N=n, BT=s.fwd_bt, BC=next_pow2(C), HAS_KEEP=keep is not None, HAS_FIRST=first is not None,
            num_warps=s.fwd_warps)
@@ -91,15 +90,15 @@ def _bwd(grads, x, weight, bias, mix, stats, keep, first, s: Settings):
     n = mix.shape[0]
     wide = n > 2   # Settings.bwd_bc: narrower tiles when the n grads take many registers
     BT, BC = s.bwd_bt, min(s.bwd_bc or (128 if wide else 256), next_pow2(C))
-    tiles = max(1, min(s.bwd_tiles or (32 if wide else 64), triton.cdiv(T, BT)))
-    programs_t, n_c = triton.cdiv(T, BT * tiles), triton.cdiv(C, BC)
+    tiles = max(1, min(s.bwd_tiles or (32 if wide else 64), cdiv(T, BT)))
+    programs_t, n_c = cdiv(T, BT * tiles), cdiv(C, BC)
     dx = torch.empty_like(x)     # dxn * weight, then dx in place
     row_part = torch.empty(B, T, n_c, 2, device=x.device, dtype=torch.float32)   # each channel tile's two row sums
     param_part = torch.empty(B * programs_t, n + 2, C, device=x.device, dtype=torch.float32)
     launch(_shift_mix_bwd, (programs_t, n_c, B), x, weight, bias, mix, keep, _keep_stride(keep, T), first, stats,
            *_six(grads), dx, row_part, param_part, B, T, C, N=n, NP=next_pow2(n + 2), BT=BT, BC=BC, TILES=tiles,
            HAS_KEEP=keep is not None, HAS_FIRST=first is not None, num_warps=s.bwd_warps)
-    launch(_norm_bwd, (triton.cdiv(T, s.norm_bt), n_c, B), x, stats, dx, row_part, B, T, C, NC=n_c,
+    launch(_norm_bwd, (cdiv(T, s.norm_bt), n_c, B), x, stats, dx, row_part, B, T, C, NC=n_c,
            NCP=next_pow2(n_c), BT=s.norm_bt, BC=BC, num_warps=s.norm_warps)
     params = param_part.sum(0)    # copies below: the op's outputs may not be views of one tensor
     return (dx, params[n].to(weight.dtype, copy=True), params[n + 1].to(bias.dtype, copy=True),
