@@ -54,7 +54,7 @@ def main():
         q.grad = DTensor.from_local(torch.randn_like(q.to_local()).mul(1e-3), q.device_mesh, q.placements)
     found_inf = torch.zeros((), device=d.device)
     ours = build_optimizer(model, cfg.optimizer)
-    theirs = torch.optim.AdamW([dict(g) for g in ours.param_groups], fused=True)   # the same groups and settings, torch's step
+    theirs = torch.optim.AdamW([dict(g) for g in ours.param_groups], fused=True)   # the same groups, torch's step
 
     def timed(fn) -> float:
         fn()   # (lazy state)

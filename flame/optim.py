@@ -108,19 +108,18 @@ class AdamW(torch.optim.AdamW):
         if closure is not None or not all(g["fused"] and not (g["amsgrad"] or g["maximize"] or g["capturable"]
                                                              or g["differentiable"]) for g in self.param_groups):
             return super().step(closure)
-        if self.local_lists is None:
-            self.local_lists = self.make_local_lists()
-        grads = [[p.grad for p in params] for _, params, *_ in self.local_lists or []]
-        if self.local_lists is None or any(g is None for gs in grads for g in gs):
+        self.local_lists = self.local_lists or self.make_local_lists()
+        if self.local_lists is None or any(p.grad is None for _, params, *_ in self.local_lists for p in params):
             self.local_lists = None
             return super().step()
         found_inf = getattr(self, "found_inf", None)   # set by the trainer: 1.0 skips the update on the device
-        for (group, _, params, exp_avgs, exp_avg_sqs, steps), gs in zip(self.local_lists, grads):
+        for group, dparams, params, exp_avgs, exp_avg_sqs, steps in self.local_lists:
             beta1, beta2 = group["betas"]
+            grads = [local(p.grad) for p in dparams]
             torch._foreach_add_(steps, 1)
-            torch._fused_adamw_(params, [local(g) for g in gs], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
-                                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                                eps=group["eps"], maximize=False, grad_scale=None, found_inf=found_inf)
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
+                                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                                maximize=False, grad_scale=None, found_inf=found_inf)
             if found_inf is not None:   # a skipped update leaves the step count as it was, as torch's does
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
 
@@ -143,7 +142,8 @@ class AdamW(torch.optim.AdamW):
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (its attribute: to_local() is an autograd call, tens of microseconds a tensor)."""
+    """A DTensor's local tensor (its attribute: to_local() is an autograd call, about 8 us a tensor on the CPU
+    machine against 0.04)."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

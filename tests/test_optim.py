@@ -115,8 +115,8 @@ def test_groups_by_clean_names_on_the_parallelized_model(monkeypatch):
 
 def test_fused_step_on_local_shards_is_torchs_bit_for_bit(monkeypatch):
     """FSDP's DTensor parameters: our AdamW's step (the fused kernel on the local tensors) leaves parameters, moments
-    and step counts exactly as torch's AdamW does over four steps in RWKV-7's three groups (two lrs, decay and none), one
-    of them skipped through found_inf; the kernel sees plain tensors, never a DTensor."""
+    and step counts exactly as torch's AdamW does over four steps in RWKV-7's three groups (two lrs, decay and
+    none), one of them skipped through found_inf; the kernel sees plain tensors, never a DTensor."""
     from flame.parallel import parallelize
 
     seen = []
