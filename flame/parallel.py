@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from flame.config import ParallelismConfig, resolve_dp_degrees
 
@@ -156,7 +157,8 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
     n = len(model.layers)
     # Over one shard (one GPU, or replicas only) a block's gathered parameters are its bf16 copies, 2 bytes per
     # parameter: keeping them spares the backward a second cast and copy of every parameter (thousands of small
-    # kernels a step at 0.6B). Over several shards, resharding is what saves the memory.
+    # kernels a step at 0.6B), and keep_gathered_parameters keeps them from step to step too. Over several shards,
+    # resharding is what saves the memory.
     reshard = d.mesh["dp_shard_cp"].size() > 1
     for i, block in enumerate(model.layers if fsdp_wrap == "blocks" else []):
         # the last block's parameters are needed again right away by backward: keep them gathered
@@ -170,6 +172,38 @@ def parallelize(model: nn.Module, d: Dist, *, param_dtype: str, reduce_dtype: st
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM, NCCL's is zero-copy
     return model
+
+
+def keep_gathered_parameters(model: nn.Module, d: Dist, optimizer: torch.optim.Optimizer) -> bool:
+    """Over one shard (one GPU, or replicas only), keep each block's gathered parameters from step to step and bring
+    them up to date after every optimizer step in one foreach copy (a cast to the compute dtype) from the updated
+    shards. FSDP's one-shard path instead frees them after the backward and, in every pre-forward, casts and copies
+    each parameter on its own: two kernels a parameter and step (RWKV-7 0.6B: 1,350 a step, in the forward, where the
+    host has least time to spare). The same weights reach every forward (tests/test_parallel_kept.py, bit for bit).
+    Between steps the modules then hold the gathered copies: the shards, with their gradients, are the optimizer's
+    parameters and the state dict's (which reshards). False, and FSDP's default, over several shards or where FSDP's
+    parameter records are not as this expects."""
+    if d.mesh["dp_shard_cp"].size() > 1:
+        return False
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        params = [p for g in groups if g is not None for p in g.fsdp_params]
+        if not params or not all(isinstance(p.sharded_param, DTensor) for p in params):
+            return False
+    except (ImportError, AttributeError):
+        return False
+
+    @torch.no_grad()
+    def refresh(*_):
+        kept = [p for p in params if p.sharded_state == ShardedState.UNSHARDED]
+        if kept:
+            torch._foreach_copy_([p.unsharded_param for p in kept], [p.sharded_param._local_tensor for p in kept])
+
+    model.set_reshard_after_backward(False)
+    optimizer.register_step_post_hook(refresh)
+    return True
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ from flame.loss import count_targets
 from flame.metrics import MetricsLogger, warn
 from flame.models import build_model
 from flame.optim import build_lr_scheduler, build_optimizer, restore_lr_schedule
-from flame.parallel import all_reduce_sum, init_distributed, parallelize
+from flame.parallel import all_reduce_sum, init_distributed, keep_gathered_parameters, parallelize
 from flame.profiling import StepProfiler
 from flame.run_lock import lock_run_folder
 from flame.startup import StartupReport
@@ -143,6 +143,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         self.startup.stage("building the optimizer and the data loader")
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        keep_gathered_parameters(self.model, self.d, self.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loader = build_train_loader(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
                                          grad_accum=t.gradient_accumulation_steps, dp_rank=self.d.dp_rank,
@@ -240,7 +241,10 @@ class Trainer:
             (token_loss_sum / n_global).backward()  # FSDP sums gradients over ranks without dividing again
             loss_sum += token_loss_sum.detach()
         loss = all_reduce_sum(loss_sum) / n_global
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm or math.inf)
+        # the optimizer's parameters: the shards, which hold the gradients (between steps the modules may hold the
+        # gathered copies: parallel.keep_gathered_parameters)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm or math.inf)
         not_finite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if self.optimizer.defaults["fused"]:
             # the fused kernel skips its own update where found_inf is 1 (weights, moments and step count as they

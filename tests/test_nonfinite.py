@@ -38,7 +38,8 @@ def inject_nan_on_calls(monkeypatch, calls: set[int] | None):
 
 
 def local_params(trainer):
-    return {n: p.to_local().detach().clone() for n, p in trainer.model.named_parameters()}
+    """The weights' shards (the state dict's: between steps one rank's modules hold the gathered copies)."""
+    return {n: p.to_local().detach().clone() for n, p in trainer.model.state_dict().items()}
 
 
 def adam_moments(trainer):
@@ -60,7 +61,7 @@ def test_nan_step_leaves_parameters_and_optimizer_untouched(tmp_path, monkeypatc
         after = local_params(trainer)
         assert all(torch.equal(before[n], after[n]) for n in before)
         assert all(torch.equal(a, b) for a, b in zip(moments, adam_moments(trainer)))
-        assert all(p.grad is None for p in trainer.model.parameters())
+        assert all(p.grad is None for group in trainer.optimizer.param_groups for p in group["params"])
         assert all(int(s["step"]) == 1 for s in trainer.optimizer.state.values())  # Adam's count did not move
         monkeypatch.undo()
         result = trainer.train_step(batch())
@@ -111,6 +112,7 @@ def test_nonfinite_state_is_never_saved(tmp_path, single_process):
         trainer.save_checkpoint()
         trainer.train_step([trainer.to_device(next(trainer.loader))])
         trainer.step += 1
+        trainer.model.state_dict()   # (reshards: the modules hold the optimizer's shards again, not gathered copies)
         name, param = next(iter(trainer.model.named_parameters()))
         trainer.optimizer.state[param]["exp_avg"].to_local().view(-1)[0] = math.nan
         with pytest.raises(RuntimeError) as raised:
