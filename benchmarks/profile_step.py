@@ -2,8 +2,8 @@
 under the PyTorch profiler; prints the total, the peak memory, the time by kind (flame.profiling's groups: matmuls, our
 Triton kernels, Inductor's, ...) and the kernels taking the most time. Then the wall time of a step unprofiled: where
 it exceeds the GPU time, the host (Python, dispatch, launches) bounds the step; at a small --batch the wall time is the
-host's cost of a step. No data, no optimizer, no FSDP: the model's own
-compute only (the micro-batch may be smaller than the config's, to fit).
+host's cost of a step. No data, no optimizer, no FSDP: the model's own compute only (the micro-batch may be smaller
+than the config's, to fit).
 
     python benchmarks/profile_step.py configs/rwkv7_0.6B.toml --batch 2 [--seq-len 4096] [--top 20] [--compile]
         [--activation-checkpoint none|selective|full] [--recompute mlp_hidden,low_rank,chunk_tensors]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -75,8 +76,6 @@ def main():
 
 def wall_ms(step, steps: int = 5) -> float:
     """Median wall time of a step, the device synchronized after each (the host issues a step's work, then waits)."""
-    import time
-
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()

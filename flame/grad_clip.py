@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_ as clip_dtensors
 
+from flame.parallel import local_tensor
+
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
@@ -28,7 +30,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if mesh is None or any(not isinstance(g, DTensor) or not (g.device_mesh is mesh or g.device_mesh == mesh)
                            or g.placements != first.placements or g.dtype != first.dtype for g in grads):
         return clip_dtensors(parameters, max_norm)
-    local = [g._local_tensor for g in grads]   # (the attribute: to_local() is an autograd call per tensor)
+    local = [local_tensor(g) for g in grads]
     norms = torch.stack(torch._foreach_norm(local, 2.0))
     for dim, placement in enumerate(first.placements):
         if placement.is_shard():

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from flame.config import LRSchedulerConfig, OptimizerConfig
+from flame.parallel import local_tensor
 
 WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
@@ -115,7 +115,7 @@ class AdamW(torch.optim.AdamW):
         found_inf = getattr(self, "found_inf", None)   # set by the trainer: 1.0 skips the update on the device
         for group, dparams, params, exp_avgs, exp_avg_sqs, steps in self.local_lists:
             beta1, beta2 = group["betas"]
-            grads = [local(p.grad) for p in dparams]
+            grads = [local_tensor(p.grad) for p in dparams]
             torch._foreach_add_(steps, 1)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],
                                 beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
@@ -133,18 +133,12 @@ class AdamW(torch.optim.AdamW):
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
             if len(params) != len(group["params"]):
                 return None
-            tensors = [[local(t) for t in ts] for ts in (params, exp_avgs, exp_avg_sqs)]
-            if len({(t.device, t.dtype) for t in [*(local(g) for g in grads), *sum(tensors, [])]}) > 1:
+            tensors = [[local_tensor(t) for t in ts] for ts in (params, exp_avgs, exp_avg_sqs)]
+            if len({(t.device, t.dtype) for t in [*(local_tensor(g) for g in grads), *sum(tensors, [])]}) > 1:
                 return None
             if params:
                 lists.append((group, params, *tensors, steps))
         return lists
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (its attribute: to_local() is an autograd call, about 8 us a tensor on the CPU
-    machine against 0.04)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> AdamW:

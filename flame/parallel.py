@@ -199,11 +199,17 @@ def keep_gathered_parameters(model: nn.Module, d: Dist, optimizer: torch.optim.O
     def refresh(*_):
         kept = [p for p in params if p.sharded_state == ShardedState.UNSHARDED]
         if kept:
-            torch._foreach_copy_([p.unsharded_param for p in kept], [p.sharded_param._local_tensor for p in kept])
+            torch._foreach_copy_([p.unsharded_param for p in kept], [local_tensor(p.sharded_param) for p in kept])
 
     model.set_reshard_after_backward(False)
     optimizer.register_step_post_hook(refresh)
     return True
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, else the tensor (the attribute: to_local() is an autograd call, about 8 us a tensor
+    on the CPU machine against 0.04)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from flame.config import LRSchedulerConfig, OptimizerConfig
 from flame.models import build_model, model_args_class
-from flame.optim import AdamW, ParamGroup, build_lr_scheduler, build_optimizer, clean_name, local
+from flame.optim import AdamW, ParamGroup, build_lr_scheduler, build_optimizer, clean_name
+from flame.parallel import local_tensor
 from tests.helpers import one_rank
 
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1)
@@ -151,7 +152,7 @@ def test_fused_step_on_local_shards_is_torchs_bit_for_bit(monkeypatch):
             assert torch.equal(p.to_local(), q.to_local()), n
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 a, b = ours.state[p][key], theirs.state[q][key]
-                assert torch.equal(local(a), local(b)), (n, key)
+                assert torch.equal(local_tensor(a), local_tensor(b)), (n, key)
             assert ours.state[p]["step"].item() == 3
 
 
