@@ -115,6 +115,8 @@ class AdamW(torch.optim.AdamW):
         found_inf = getattr(self, "found_inf", None)   # set by the trainer: 1.0 skips the update on the device
         for group, dparams, params, exp_avgs, exp_avg_sqs, steps in self.local_lists:
             beta1, beta2 = group["betas"]
+            if found_inf is not None:   # the kernel reads it where the parameters are (torch's step moves it too)
+                found_inf = found_inf.to(params[0].device, non_blocking=True)
             grads = [local_tensor(p.grad) for p in dparams]
             torch._foreach_add_(steps, 1)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"],

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from flame.config import ParallelismConfig, resolve_dp_degrees
+from flame.errors import RunError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -98,7 +99,12 @@ def init_distributed(cfg: ParallelismConfig) -> Dist:
     timeout = timedelta(seconds=cfg.collective_timeout_sec)  # a lost or hung rank fails the job after this
     store = attempt_store(world_size, timeout)
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        local_rank, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))   # (torchrun's): every rank says the same
+        if per_node > gpus:
+            raise RunError(f"{per_node} processes a node but {gpus} GPU(s) on this one: start one process a GPU "
+                           f"(NGPU or NPROC for scripts/launch.sh, --nproc-per-node for torchrun)")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=timeout, store=store,
                                 **rank_and_world(store, world_size))

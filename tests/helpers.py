@@ -153,6 +153,14 @@ def env(without: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> d
     return dict(e, **(extra or {}))
 
 
+def ranks_env(nproc: int) -> dict[str, str]:
+    """What a job of `nproc` ranks adds to its environment: on a machine with a GPU but fewer than `nproc` of them (two
+    ranks on a one-GPU machine), its ranks run on the CPU (gloo, Triton's interpreter), as on a CPU-only machine."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        return {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    return {}
+
+
 def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """One training job of `nproc` ranks (gloo on CPU). On CPU its processes are `python -m flame.train` forked from
     this test process's tests/train_forks.py server, which has imported torch and flame once (seconds a rank), the
@@ -162,7 +170,8 @@ def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300)
         return forked_train(cmd, timeout, nproc)
     if nproc > 1:  # a fork after CUDA's driver was touched cannot use it
         cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "flame.train"]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env(extra=ranks_env(nproc)), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def free_port() -> int:
@@ -207,7 +216,7 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300, with
     cmd = [sys.executable, "-c", script, *args]
     if not torch.cuda.is_available():
         return forked_train(cmd, timeout, nproc, script=script, without=without, extra=extra)
-    e = env(without, extra)
+    e = env(without, {**ranks_env(nproc), **(extra or {})})
     if nproc == 1:
         return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:  # torchrun runs a file, not -c
@@ -255,7 +264,7 @@ def launch_sh(config, *args: str, nproc: int, wait: bool = True, timeout: int = 
     """scripts/launch.sh CONFIG ARGS with NPROC ranks, in a session of its own (so that a test can signal its whole
     process group): its CompletedProcess once it ends, or with wait=False the running Popen."""
     cmd = ["bash", "scripts/launch.sh", str(config), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(extra=dict(NPROC=str(nproc), **extra_env)), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(extra={"NPROC": str(nproc), **ranks_env(nproc), **extra_env}), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     if not wait:
         return proc

@@ -52,6 +52,18 @@ def test_export_of_a_missing_folder_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_more_ranks_a_node_than_gpus_is_one_line(tmp_path):
+    # torchrun's environment for rank 0 of two on a node whose one GPU the script makes torch report: without the
+    # check, the second rank's torch.cuda.set_device fails with CUDA's "invalid device ordinal"
+    script = ("import sys, torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1; "
+              "from flame.train import main; main(sys.argv[1:])")
+    proc = run_script(script, "--config", str(REPO / "configs/transformer_tiny.toml"),
+                      f"--job.dump_folder={tmp_path / 'run'}", extra=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+                                                                        LOCAL_WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=""))
+    assert one_line(proc) == ("error: 2 processes a node but 1 GPU(s) on this one: start one process a GPU (NGPU or "
+                              "NPROC for scripts/launch.sh, --nproc-per-node for torchrun)")
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_checks_on_this_machine(config, capsys):
     check_config(["--config", str(config)])  # returns: exit code 0
