@@ -264,8 +264,8 @@ def launch_sh(config, *args: str, nproc: int, wait: bool = True, timeout: int = 
     """scripts/launch.sh CONFIG ARGS with NPROC ranks, in a session of its own (so that a test can signal its whole
     process group): its CompletedProcess once it ends, or with wait=False the running Popen."""
     cmd = ["bash", "scripts/launch.sh", str(config), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(extra={"NPROC": str(nproc), **ranks_env(nproc), **extra_env}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(extra={"NPROC": str(nproc), **ranks_env(nproc), **extra_env}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     if not wait:
         return proc
     out, err = proc.communicate(timeout=timeout)
