@@ -13,8 +13,9 @@ check), each step under a `ProfilerStep#<n>` range. The summary gives the wall t
 synchronized at both ends), the time the device was busy (the union of its kernel, memcpy and memset intervals:
 streams that overlap count once) and so the share it sat idle (launch gaps, host syncs, waits for data or other
 ranks), then the device time by kind (matmuls, attention, our Triton kernels, Inductor's, copies, the rest), the
-kernels by device time, the host ops by self CPU time and the annotated host ranges (the optimizer
-step, FSDP's all-gathers and reductions, ...). On a CPU, "busy" is the union of the op intervals of all threads.
+kernels by device time, the GPU's idle gaps by the host op over each (where the GPU waited on the host), the host ops
+by self CPU time and the annotated host ranges (the optimizer step, FSDP's all-gathers and reductions, ...). On a
+CPU, "busy" is the union of the op intervals of all threads.
 
 Disabled, it costs a comparison or two per step and records nothing.
 """
@@ -36,8 +37,11 @@ from flame.config import ProfilingConfig
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 """Kineto activity types of the device's own work (not annotations, runtime calls or syncs)."""
-TOP_DEVICE, TOP_HOST, TOP_RANGES = 25, 15, 12
-"""Rows of the summary's tables: device kernels (GPU), host ops (25 of them on a CPU), annotated ranges."""
+TOP_DEVICE, TOP_HOST, TOP_RANGES, TOP_IDLE = 25, 15, 12, 12
+"""Rows of the summary's tables: device kernels (GPU), host ops (25 of them on a CPU), annotated ranges, the host ops
+the GPU's idle gaps fall under."""
+MIN_GAP_US = 50.0
+"""The GPU's idle gaps the summary attributes to host ops: longer than this (shorter ones are a launch's latency)."""
 NAME_WIDTH = 100
 
 
@@ -192,6 +196,33 @@ def busy_seconds(events, on_gpu: bool) -> float:
     return union_us((start, end) for _, start, end in work_in_steps(events, on_gpu)) / 1e6
 
 
+def idle_under_host_ops(events, min_gap_us: float = MIN_GAP_US) -> list[tuple[str, float, int]]:
+    """Where the GPU waited on the host: each gap longer than min_gap_us between the device's work within the profiled
+    steps, put on the host op that overlaps it most (of equal overlaps the shortest op, the innermost), or on
+    "(no host op)". (name, microseconds summed, gaps) by name, the most first."""
+    lo, hi = step_span(events) or (float("-inf"), float("inf"))
+    gaps, reached = [], lo
+    for _, start, end in sorted(work_in_steps(events, on_gpu=True), key=lambda w: w[1]):
+        if start - reached > min_gap_us and reached > float("-inf"):
+            gaps.append((reached, start))
+        reached = max(reached, end)
+    if hi - reached > min_gap_us and hi < float("inf"):
+        gaps.append((reached, hi))
+    hosts = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events if is_host_op(e)))
+    found: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    active, i = [], 0
+    for a, b in gaps:   # in order; `active`: the host ops begun before this gap that may still cover it
+        while i < len(hosts) and hosts[i][0] < b:
+            active.append(hosts[i])
+            i += 1
+        active = [h for h in active if h[1] > a]
+        best = max(active, key=lambda h: (min(b, h[1]) - max(a, h[0]), h[0] - h[1]), default=None)
+        name = best[2] if best is not None else "(no host op)"
+        found[name][0] += b - a
+        found[name][1] += 1
+    return sorted(((n, us, k) for n, (us, k) in found.items()), key=lambda r: -r[1])
+
+
 KINDS = ("matmuls (cuBLAS, CUTLASS)", "attention (flash, cuDNN SDPA)", "flame's Triton kernels (kernels/)",
          "Inductor's kernels (triton_*)", "copies and memsets", "other (PyTorch's own: optimizer, reductions, casts)")
 """The summary's groups of device work, in its order."""
@@ -261,6 +292,11 @@ def summary(events, averages, busy: float, *, steps: range, marks: list[float], 
             per_name[e.name][1] += 1
         for name, (us, calls) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP_DEVICE]:
             lines.append(f"{us / 1e3:10.3f} {100 * us / 1e6 / max(busy, 1e-12):6.1f}% {calls:7d}  {_name(name)}")
+        lines += ["", f"GPU idle in gaps longer than {MIN_GAP_US:.0f} us, by the host op over each (the longest "
+                  "overlap: what the host ran while the GPU waited)",
+                  f"{'idle ms':>10} {'% wall':>7} {'gaps':>7}  host op"]
+        for name, us, gaps in idle_under_host_ops(events)[:TOP_IDLE]:
+            lines.append(f"{us / 1e3:10.3f} {us / 1e4 / max(wall, 1e-12):6.1f}% {gaps:7d}  {_name(name)}")
     else:
         lines += [f"{'busy (CPU ops)':<22}{busy:10.4f} s {pct:6.1f} %   union of the op intervals of all threads",
                   f"{'outside ops':<22}{wall - busy:10.4f} s {100 - pct:6.1f} %   Python, data, logging, waits"]

@@ -114,6 +114,29 @@ def test_gpu_busy_is_the_union_of_device_intervals_within_the_steps():
     assert kernels[0].split()[:3] == ["0.350", "53.8%", "2"]  # 300 us + the 50 us inside the step
 
 
+def test_gpu_idle_gaps_go_to_the_host_op_over_them():
+    # kernels leave gaps of 300, 20, 100 and 60 us within the step: the 300 us one lies under a backward node whose
+    # children cover less of it, the 100 us one under two nested ops covering it alike (the inner one takes it), the
+    # 20 us one is a launch's latency (not counted) and the 60 us one has no host op over it
+    from flame.profiling import idle_under_host_ops
+
+    events = EventList([fake_event("ProfilerStep*", 0, 1000, "user_annotation")]
+                       + [fake_event("k", a, b) for a, b in ((0, 100), (400, 500), (520, 600), (700, 740), (800, 1000))]
+                       + [fake_event(n, a, b, "cpu_op") for n, a, b in (
+                           ("autograd::engine::evaluate_function: PostBackward", 90, 420), ("aten::copy_", 100, 150),
+                           ("aten::add", 160, 200), ("aten::item", 500, 520), ("outer", 580, 720),
+                           ("aten::to", 590, 710))], use_device="cuda")
+    events._build_tree()
+    assert idle_under_host_ops(events) == [("autograd::engine::evaluate_function: PostBackward", 300.0, 1),
+                                           ("aten::to", 100.0, 1), ("(no host op)", 60.0, 1)]
+    text = summary(events, events.key_averages(), busy_seconds(events, on_gpu=True), steps=range(2, 3),
+                   marks=[0.0, 0.001], rank=0, device=torch.device("cuda"))
+    rows = text.split("while the GPU waited)\n")[1].split("\n\n")[0].splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [["0.300", "30.0%", "1"], ["0.100", "10.0%", "1"],
+                                                 ["0.060", "6.0%", "1"]]
+    assert rows[1].endswith("aten::to") and rows[2].endswith("(no host op)")
+
+
 def test_device_time_by_kind():
     # one piece of work of each kind over two steps (per step: half), and names that only look like ours
     from flame.profiling import KINDS, device_kind
