@@ -196,13 +196,14 @@ def busy_seconds(events, on_gpu: bool) -> float:
     return union_us((start, end) for _, start, end in work_in_steps(events, on_gpu)) / 1e6
 
 
-def idle_under_host_ops(events, min_gap_us: float = MIN_GAP_US) -> list[tuple[str, float, int]]:
+def idle_under_host_ops(events, work=None, min_gap_us: float = MIN_GAP_US) -> list[tuple[str, float, int]]:
     """Where the GPU waited on the host: each gap longer than min_gap_us between the device's work within the profiled
-    steps, put on the host op that overlaps it most (of equal overlaps the shortest op, the innermost), or on
-    "(no host op)". (name, microseconds summed, gaps) by name, the most first."""
+    steps (work: work_in_steps(events, on_gpu=True), where the caller has it), put on the host op that overlaps it
+    most (of equal overlaps the shortest op, the innermost), or on "(no host op)". (name, microseconds summed, gaps)
+    by name, the most first."""
     lo, hi = step_span(events) or (float("-inf"), float("inf"))
     gaps, reached = [], lo
-    for _, start, end in sorted(work_in_steps(events, on_gpu=True), key=lambda w: w[1]):
+    for _, start, end in sorted(work if work is not None else work_in_steps(events, on_gpu=True), key=lambda w: w[1]):
         if start - reached > min_gap_us and reached > float("-inf"):
             gaps.append((reached, start))
         reached = max(reached, end)
@@ -295,7 +296,7 @@ def summary(events, averages, busy: float, *, steps: range, marks: list[float], 
         lines += ["", f"GPU idle in gaps longer than {MIN_GAP_US:.0f} us, by the host op over each (the longest "
                   "overlap: what the host ran while the GPU waited)",
                   f"{'idle ms':>10} {'% wall':>7} {'gaps':>7}  host op"]
-        for name, us, gaps in idle_under_host_ops(events)[:TOP_IDLE]:
+        for name, us, gaps in idle_under_host_ops(events, work)[:TOP_IDLE]:
             lines.append(f"{us / 1e3:10.3f} {us / 1e4 / max(wall, 1e-12):6.1f}% {gaps:7d}  {_name(name)}")
     else:
         lines += [f"{'busy (CPU ops)':<22}{busy:10.4f} s {pct:6.1f} %   union of the op intervals of all threads",
