@@ -18,6 +18,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     triton_interpreter.install()  # the same interpretation at less CPU (the module says how)
 
 
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: module-scoped ones start reference runs too
+def pytest_runtest_setup(item):
+    # On a GPU machine, the jobs a test not marked gpu starts see no GPU (tests/helpers.py's env()): such tests check
+    # the CPU path against CPU references, and some start more ranks than the machine has GPUs. (Not this process's
+    # CUDA_VISIBLE_DEVICES: torch reads it again for device_count(), which would then disagree with is_available().)
+    from tests import helpers
+
+    helpers.JOBS_SEE_GPUS = torch.cuda.is_available() and "gpu" in item.keywords
+
+
 def pytest_xdist_auto_num_workers(config):
     # `-n auto` (pyproject): one worker per core on CPU; GPU tests run in one process, since they share the card
     # and some of them time it. None leaves the choice to pytest-xdist.

@@ -143,11 +143,18 @@ def byte_bpe(texts, path: Path, vocab_size: int = 300):
     return tok
 
 
+JOBS_SEE_GPUS = torch.cuda.is_available()
+"""Whether the processes a test starts see this machine's GPUs: tests/conftest.py sets it for each test (on a GPU
+machine, for the tests marked gpu only)."""
+
+
 def env(without: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> dict:
     """A subprocess's environment: this one's, less the variables in `without`, plus `extra`."""
     # the repository first; what the caller's PYTHONPATH holds (packages installed to a --target folder) after it
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     e = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    if not JOBS_SEE_GPUS:  # as on a CPU-only machine (tests/conftest.py)
+        e.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *without):
         e.pop(k, None)
     return dict(e, **(extra or {}))
@@ -164,9 +171,9 @@ def ranks_env(nproc: int) -> dict[str, str]:
 def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """One training job of `nproc` ranks (gloo on CPU). On CPU its processes are `python -m flame.train` forked from
     this test process's tests/train_forks.py server, which has imported torch and flame once (seconds a rank), the
-    ranks joined as torchrun joins them (env://); with CUDA, a fresh process or torchrun."""
+    ranks joined as torchrun joins them (env://); where its jobs see a GPU, a fresh process or torchrun."""
     cmd = [sys.executable, "-m", "flame.train", "--config", str(config), *overrides]
-    if not torch.cuda.is_available():
+    if not JOBS_SEE_GPUS:
         return forked_train(cmd, timeout, nproc)
     if nproc > 1:  # a fork after CUDA's driver was touched cannot use it
         cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "flame.train"]
@@ -212,9 +219,9 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: int = 300, with
                extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -c script ARGS` in a process of its own, or as a job of `nproc` ranks joined as torchrun joins them, in
     env(without) plus `extra`: on CPU forked from train_server(without) (torch and flame imported already), with
-    CUDA a fresh process or torchrun."""
+    GPUs in view a fresh process or torchrun."""
     cmd = [sys.executable, "-c", script, *args]
-    if not torch.cuda.is_available():
+    if not JOBS_SEE_GPUS:
         return forked_train(cmd, timeout, nproc, script=script, without=without, extra=extra)
     e = env(without, {**ranks_env(nproc), **(extra or {})})
     if nproc == 1:
@@ -242,7 +249,13 @@ def forked_train(cmd: list[str], timeout: float, nproc: int = 1, script: str | N
                  for r in range(nproc)]
         job = {"args": cmd[3:], "ranks": ranks, **({} if script is None else {"script": script})}
         server.stdin.write((json.dumps(job) + "\n").encode())
-        pids = [int(pid) for pid in read_line(server.stdout, 60).split()]
+        # the pids come once the server has imported torch and flame (a minute or more on a loaded machine)
+        started = read_line(server.stdout, timeout)
+        if started is None:  # dropped: a late answer would be read as the next job's
+            server.kill()
+            _TRAIN_SERVERS.pop(without, None)
+            raise subprocess.TimeoutExpired(cmd, timeout, "", "the tests' train server started no job")
+        pids = [int(pid) for pid in started.split()]
         line = read_line(server.stdout, timeout)
 
         def output(name):

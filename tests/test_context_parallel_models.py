@@ -30,7 +30,10 @@ def cp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
     for name in ("rwkv7", "rwkv6", "gsa"):
         importlib.import_module(f"flame.models.{name}")   # the model and its kernels, before the fork
-    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
+    # spawned where there is a GPU: once torch has counted the GPUs, a forked process cannot use CUDA, and a rank's
+    # torch.compile asks CUDA for its RNG state
+    start = "spawn" if torch.cuda.is_available() else "fork"
+    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method=start)
     return out
 
 
