@@ -145,6 +145,8 @@ class TrainingConfig:
         check(self.max_norm >= 0, "training.max_norm", "a number >= 0", self.max_norm)
         check(not self.recompute or self.activation_checkpoint == "selective", "training.recompute",
               f"[] with activation_checkpoint = {self.activation_checkpoint!r} (it adds to 'selective')", self.recompute)
+        check(len(set(self.recompute)) == len(self.recompute), "training.recompute", "each part named once",
+              self.recompute)
 
 
 @dataclass

@@ -239,6 +239,7 @@ def test_chunk_tensors_tells_rwkv7s_chunk_op_to_keep_its_states_alone(monkeypatc
     ("gsa_tiny", '["chunk_tensors"]', "selective", "model.name = 'gsa'"),
     ("transformer_tiny", '["low_rank"]', "selective", "model.name = 'transformer'"),
     ("rwkv7_tiny", '["everything"]', "selective", "'mlp_hidden'"),
+    ("rwkv7_tiny", '["low_rank", "mlp_hidden", "low_rank"]', "selective", "each part named once"),
 ])
 def test_recompute_that_cannot_apply_is_one_line(config, recompute, mode, expected):
     with pytest.raises(ConfigError) as e:
