@@ -7,7 +7,7 @@ import torch
 # when it is imported (its own tl.cumsum / tl.sum are decorated then): set the switch before anything imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not torch.cuda.is_available():
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # a test process of `-n auto` shares the cores with the others: torch's default of a thread per core in each
     # oversubscribes them, and its threads spin waiting for each other (CPU suite on 2 cores: a third more CPU time
     # in the in-process model tests). Subprocesses get OMP_NUM_THREADS=1 from tests/helpers.py's env().
@@ -28,10 +28,16 @@ def pytest_runtest_setup(item):
     helpers.JOBS_SEE_GPUS = torch.cuda.is_available() and "gpu" in item.keywords
 
 
+GPU_WORKERS = 12
+"""Test processes of `-n auto` on a GPU machine at most: they share one card, each with a CUDA context (the GPU suite
+runs in 7 minutes at 12 on one H200)."""
+
+
 def pytest_xdist_auto_num_workers(config):
-    # `-n auto` (pyproject): one worker per core on CPU; GPU tests run in one process, since they share the card
-    # and some of them time it. None leaves the choice to pytest-xdist.
-    return 0 if torch.cuda.is_available() else None
+    # `-n auto` (pyproject): one test process per core; None leaves the choice to pytest-xdist
+    if torch.cuda.is_available():
+        return min(GPU_WORKERS, len(os.sched_getaffinity(0)))
+    return None
 
 
 def module_fixtures(item) -> list[str]:
