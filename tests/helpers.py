@@ -249,7 +249,7 @@ def forked_train(cmd: list[str], timeout: float, nproc: int = 1, script: str | N
                  for r in range(nproc)]
         job = {"args": cmd[3:], "ranks": ranks, **({} if script is None else {"script": script})}
         server.stdin.write((json.dumps(job) + "\n").encode())
-        # the pids come once the server has imported torch and flame (a minute or more on a loaded machine)
+        # the pids come once the server has imported torch and flame: slow on a loaded machine, so the job's timeout
         started = read_line(server.stdout, timeout)
         if started is None:  # dropped: a late answer would be read as the next job's
             server.kill()
