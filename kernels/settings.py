@@ -43,6 +43,34 @@ def parse(items: list[str]) -> dict:
     return {op: OPS[op].settings_type()(**kw) for op, kw in changes.items()}
 
 
+def check_choice(settings, field: str, allowed: tuple) -> None:
+    """Refuse, with one line (ValueError), a value of a Settings field that the kernels are not built for: a chunk
+    size they were never built or tested at fails inside a kernel (spills, shared memory, or a bad build), not here."""
+    value = getattr(settings, field)
+    if value not in allowed:
+        raise ValueError(f"{_op(settings)} Settings.{field} must be {' or '.join(map(repr, allowed))}, got {value!r}")
+
+
+def check_tiles_and_warps(settings) -> None:
+    """What every chunk kernel's Settings shares, refused with one line (ValueError) rather than as a Triton error
+    at the first launch: prec "tf32" or "ieee", warps (fields *_warps) a power of two up to 16, tiles (*_bv, *_bd) a
+    power of two of at least 16 (a product's least width) or None."""
+    check_choice(settings, "prec", ("tf32", "ieee"))
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name.endswith("_warps") and value not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{_op(settings)} Settings.{f.name} must be 1, 2, 4, 8 or 16, got {value!r}")
+        if f.name.endswith(("_bv", "_bd")) and value is not None and not (
+                isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
+            raise ValueError(f"{_op(settings)} Settings.{f.name} must be a power of two of at least 16 or None, "
+                             f"got {value!r}")
+
+
+def _op(settings) -> str:
+    """The op a Settings belongs to (kernels/<op>/chunk.py)."""
+    return type(settings).__module__.split(".")[-2]
+
+
 def to_text(settings) -> str:
     """The fields of a Settings that differ from its defaults, as "field=value,..." ("" for the defaults)."""
     default = type(settings)()

@@ -24,7 +24,7 @@ import torch
 from kernels.gsa.torch_chunk import chunk_gsa_torch
 from kernels.launch import launch, register_fake
 from kernels.limits import GSA_MAX_SLOTS
-from kernels.settings import from_text, to_text
+from kernels.settings import check_choice, check_tiles_and_warps, from_text, to_text
 from kernels.utils import (cdiv, check_head_sizes, chunk_count, chunk_tables, is_interpreting, next_pow2,
                            packed_rows, scan_tile)
 
@@ -88,6 +88,10 @@ class Settings:
     value-state scan forms the output from the state it holds. The two scans then run one after the other, each
     with half the programs; None: where one state's scan alone still has a program per SM at 64-wide tiles
     (sequences x heads x V/64 >= 128)."""
+
+    def __post_init__(self):
+        check_choice(self, "chunk", (None, 16, 32))
+        check_tiles_and_warps(self)
 
     def chunk_len(self, M: int) -> int:
         return self.chunk or (32 if _slots(M) <= 64 else 16)

@@ -25,7 +25,7 @@ import torch
 from kernels.launch import launch, register_fake
 from kernels.limits import RWKV6_MAX_K
 from kernels.rwkv6.torch_chunk import chunk_rwkv6_torch
-from kernels.settings import from_text, to_text
+from kernels.settings import check_choice, check_tiles_and_warps, from_text, to_text
 from kernels.utils import cdiv, check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
 
 
@@ -71,7 +71,8 @@ class Settings:
 
     def __post_init__(self):
         for name in ("chunk", "wide_k_chunk"):
-            assert getattr(self, name) in (16, 32), f"rwkv6 Settings.{name} must be 16 or 32, got {getattr(self, name)}"
+            check_choice(self, name, (16, 32))
+        check_tiles_and_warps(self)
 
     def chunk_size(self, K: int) -> int:
         return self.chunk if K <= 64 else self.wide_k_chunk

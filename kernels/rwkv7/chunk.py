@@ -26,7 +26,7 @@ from kernels.launch import launch, register_fake
 from kernels.limits import RWKV7_MAX_K
 from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
-from kernels.settings import from_text, to_text
+from kernels.settings import check_choice, check_tiles_and_warps, from_text, to_text
 from kernels.utils import cdiv, check_head_sizes, chunk_count, chunk_tables, next_pow2, packed_rows, scan_tile
 
 
@@ -41,7 +41,9 @@ class Settings:
     first call compiles each kernel once (benchmarks/bench_kernels.py --set rwkv7.field=value times others)."""
 
     chunk: int = 16
-    """Tokens per chunk: a chunk's pairwise matrices, T and its level decays then fit in registers."""
+    """Tokens per chunk (16 only): a chunk's pairwise matrices, T and its level decays then fit in registers. At 32
+    the per-chunk kernels spill (sm_90: 1.2 KB a thread in _fwd_prep, 1.7 KB in _bwd_chunk), the op took 1.8x as
+    long, and its backward read an illegal address on an H200 (Triton 3.6)."""
     prec: str = "tf32"
     """Operand precision of the fp32 products ("tf32" or "ieee"): the scans' always, the per-chunk kernels' where
     their operands are not bf16; the interpreter computes exact fp32 whatever this says."""
@@ -86,6 +88,10 @@ class Settings:
     the state gradient carried between them; blocked scans: runs of this / block_chunks blocks). 0: all at once
     (packed sequences always). 1024: two groups at 8 x 4096, one pass's time for half its dh; each group costs
     two launches (tens of microseconds of host time each) and a last partial wave."""
+
+    def __post_init__(self):
+        check_choice(self, "chunk", (16,))
+        check_tiles_and_warps(self)
 
     def scan_tile(self, V: int, sequences_x_heads: int) -> int:
         return self.scan_bv or scan_tile(V, sequences_x_heads)
