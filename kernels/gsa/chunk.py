@@ -386,18 +386,20 @@ register_fake(chunk_gsa_op, _fake_forward, _forward_op)
 register_fake(chunk_gsa_bwd_op, _fake_backward, _backward_op)
 
 
+DEFAULT_SETTINGS = Settings()
+"""Settings() built once: each construction checks every field (a few microseconds of the host's time a call)."""
+
 MAX_SLOTS = GSA_MAX_SLOTS
 """Most slots of the Triton kernel (kernels/limits.py says why)."""
 
 
 def _chunk_gsa_triton(q, k, v, s, g, scale, initial_state, output_final_state, cu_seqlens, settings: Settings | None,
                       projection: tuple[torch.Tensor, float] | None = None):
-    st = settings or Settings()
+    st = settings or DEFAULT_SETTINGS
     B, T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     check_head_sizes("chunk_gsa", {"K": K, "V": V, "M": M}, {"M": MAX_SLOTS})
     BT = st.chunk_len(M)
-    assert BT >= 16 and BT & (BT - 1) == 0, "the chunk must be a power of two >= 16"
     cu, flat = packed_rows(B, T, H, cu_seqlens, q.device)
     # The gate stays fp32 whatever the model's dtype (bf16 log gates near 0 lose the slow slots).
     q_, k_, v_, s_ = (flat(x) for x in (q, k, v, s))
