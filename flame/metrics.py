@@ -94,9 +94,10 @@ class MetricsLogger:
         self.window_tokens += global_tokens
         self.steps_timed += 1
 
-    def log(self, step: int, values: dict) -> dict:
+    def log(self, step: int, values: dict, seconds: float | None = None) -> dict:
+        """seconds: the time the window's steps took (default: the host's time since the last line)."""
         now = time.perf_counter()
-        elapsed = max(now - self.window_start, 1e-9)
+        elapsed = max(now - self.window_start if seconds is None else seconds, 1e-9)
         tokens_per_sec = self.window_tokens / elapsed
         per_device = tokens_per_sec / self.world_size
         mfu = None if self.peak is None else 100.0 * per_device * self.flops_per_token / self.peak

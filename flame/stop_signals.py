@@ -1,5 +1,6 @@
 """How a rank is asked to stop: SIGINT (Ctrl-C, forwarded by scripts/launch.sh), SIGTERM and SIGUSR1 (preemption
-notices) mean "finish this step, save a checkpoint, exit 0"; a second SIGINT means "stop at once, save nothing".
+notices) mean "finish the steps under way (the one read and the one queued behind it), save a checkpoint, exit 0"; a
+second SIGINT means "stop at once, save nothing".
 
 Installed as the rank starts, before its slow imports, so that a stop asked for during start-up is kept for the first
 step instead of surfacing as a KeyboardInterrupt traceback.

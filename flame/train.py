@@ -57,6 +57,39 @@ class StepResult:
     target_tokens: int
     """Target (non-ignored) tokens in the global batch."""
     skipped: bool
+    stop_signal: int
+    """The first stop signal any rank had received when the step was queued (0: none)."""
+
+
+class QueuedStep:
+    """A step whose work is queued on the device: its loss, gradient norm, target count and the ranks' stop flag
+    travel to the host behind that work, so the host can queue the next step before reading them (a read right away
+    would leave the device idle while the host loads and launches the next step)."""
+
+    def __init__(self, number: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor, n_global: torch.Tensor,
+                 stop_flag: torch.Tensor):
+        self.number, self.lr = number, lr
+        values = torch.stack([loss.double(), grad_norm.double(), n_global.double(), stop_flag.double()])
+        self.values = values.to("cpu", non_blocking=True)  # pinned memory, filled once the device gets there
+        self.done, self.done_at = None, time.perf_counter()  # on the CPU the step's work ends here
+        if values.is_cuda:
+            self.done = torch.cuda.Event(enable_timing=True)
+            self.done.record()
+
+    def seconds_since(self, earlier: QueuedStep) -> float:
+        """From the end of an earlier step's work to the end of this one's, both read: on the device's clock where
+        there is one, since the host reads a step late or at once depending on the step."""
+        if self.done is not None:
+            return earlier.done.elapsed_time(self.done) / 1e3
+        return self.done_at - earlier.done_at
+
+    def read(self) -> StepResult:
+        """Waits for the step's work (only) to finish."""
+        if self.done is not None:
+            self.done.synchronize()
+        loss, norm, n_global, stop = self.values.tolist()
+        return StepResult(loss, norm, int(n_global), skipped=not (math.isfinite(loss) and math.isfinite(norm)),
+                          stop_signal=int(stop))
 
 
 class Trainer:
@@ -72,6 +105,9 @@ class Trainer:
             self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
             self.last_loss: float | None = None  # for the closing line
             self.stop_signal = 0
+            self.queued_ahead = 0  # 1 while a queued step is not read yet
+            self.first_step_logged = False  # time_to_first_step_sec, once per launch
+            self.last_logged: QueuedStep | None = None  # where the next metrics line's time window begins
             self.staging_ready = False
             stop_signals.install()  # Ctrl-C and preemption notices: save, then exit cleanly (kept if already received)
             load_seconds = self.resume_and_start_metrics(resume_step)
@@ -229,7 +265,13 @@ class Trainer:
             return split_batch(batch, self.cp)
         return {"input_ids": batch["input_ids"], "labels": batch["labels"], "cu_seqlens": batch.get("cu_seqlens")}
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> QueuedStep:
+        """Queue step `next_step`; the host waits for the device only with the non-fused optimizer, which checks the
+        loss and gradient norm before it updates."""
+        number, lr = self.next_step, self.optimizer.param_groups[0]["lr"]
+        # any rank that got a signal stops every rank (a signal may reach only some ranks)
+        stop_flag = torch.full((), stop_signals.received, device=self.device)  # (a fill: no copy the host waits for)
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
         # Normalize by the target tokens of the whole global batch (all micro-batches, all ranks), counted first.
         pieces = [self.model_inputs(mb) for mb in micro_batches]
         n_local = sum(count_targets(p["labels"]) for p in pieces)
@@ -255,9 +297,7 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value, norm_value = loss.item(), grad_norm.item()  # the step's host sync, after the update is queued
-        skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
-        return StepResult(loss_value, norm_value, int(n_global.item()), skipped=skipped)
+        return QueuedStep(number, lr, loss, grad_norm, n_global, stop_flag)
 
     # ---------------------------------------------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -266,49 +306,33 @@ class Trainer:
             self.train_loop()
         except RuntimeError as e:
             if is_collective_failure(e):
-                self.heartbeat.explain(self.step + 1, e)
+                self.heartbeat.explain(self.next_step, e)
             raise
 
     def train_loop(self) -> None:
+        """Each step is read while the next one runs, except where the host must see the weights of that step before
+        the next update (a step that evaluates, saves, ends the run, or is this launch's first). A stop signal or a
+        non-finite step is thus seen one step later: a stop then finishes the step queued behind it too."""
         t = self.cfg.training
         if self.step >= t.steps:
             self.print(f"nothing to train: the run is at step {self.step} of training.steps = {t.steps}")
-        first_step_logged = False
         if self.step < t.steps:
             self.startup.stage("the first step" + (": torch.compile and the kernels' autotuning run in it"
                                                    if t.compile or self.d.on_gpu else ""))
+        unread: QueuedStep | None = None
         while self.step < t.steps:
-            self.profiler.before_step(self.step + 1)  # [profiling]: a window opens or closes here
+            self.profiler.before_step(self.next_step)  # [profiling]: a window opens or closes here
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.heartbeat.arrive(self.step + 1)
-            result = self.train_step(micro_batches)
-            self.step += 1
-            self.tokens_seen += self.global_batch * t.seq_len
-            self.metrics.count(self.global_batch * t.seq_len)
-            if not first_step_logged:  # start-up, compilation and autotuning included; once per launch
-                first_step_logged = True
-                self.startup.done()
-                self.metrics.log_extra(self.step, {"time_to_first_step_sec": time.perf_counter() - STARTED})
-            if self.step == 1:
-                self.sanity_check_first_loss(result.loss)
-            if self.cfg.checkpoint.enable and not self.staging_ready:
-                # after a real optimizer step: DCP would otherwise create Adam's moments with a fake step
-                self.staging_ready = True
-                seconds = self.checkpointer.prepare(self.state_dict())
-                if seconds:
-                    self.print(f"prepared the CPU buffer for async checkpoints in {seconds:.1f} s (once per run)")
-            self.handle_skip(result)
-            self.last_loss = result.loss
-            if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps or result.skipped:
-                self.metrics.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                                             "tokens_seen": self.tokens_seen, "target_tokens": result.target_tokens,
-                                             "skipped_steps": self.skipped_steps, **self.loader.metrics()})
-            if self.cfg.validation.enable and (self.step % self.cfg.validation.freq == 0 or self.step == t.steps):
-                self.evaluate()
-            if self.cfg.checkpoint.enable and (self.step % self.cfg.checkpoint.interval == 0 or self.step == t.steps):
-                self.save_checkpoint()
-            if self.stop_requested():
+            self.heartbeat.arrive(self.next_step)
+            queued = self.train_step(micro_batches)
+            if unread is not None:
+                self.finish_step(unread)
+            unread, self.queued_ahead = queued, 1
+            n = queued.number  # read at once: what evaluates, saves or ends reads this step's weights, not the next's
+            if self.stop_signal or not self.first_step_logged or n == t.steps or self.evaluates(n) or self.saves(n):
+                unread, self.queued_ahead = None, 0
+                self.finish_step(queued)
+            if self.stop_signal:
                 if self.cfg.checkpoint.enable and self.last_saved != self.step:
                     self.save_checkpoint()
                 self.print(f"stopped at step {self.step} on signal {signal.Signals(self.stop_signal).name}"
@@ -319,15 +343,54 @@ class Trainer:
             raise RunError(f"the run ended on a non-finite loss ({self.last_loss}) at step {self.step}, its update "
                            f"skipped; {self.checkpointer.good_line()}")
 
+    @property
+    def next_step(self) -> int:
+        """The number of the step to queue next."""
+        return self.step + 1 + self.queued_ahead
+
+    def evaluates(self, step: int) -> bool:
+        v = self.cfg.validation
+        return v.enable and (step % v.freq == 0 or step == self.cfg.training.steps)
+
+    def saves(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        return c.enable and (step % c.interval == 0 or step == self.cfg.training.steps)
+
+    def finish_step(self, queued: QueuedStep) -> None:
+        """The bookkeeping of a step once its results reach the host: counts, metrics, skips, evaluation, saves."""
+        t = self.cfg.training
+        result = queued.read()
+        self.step += 1
+        self.tokens_seen += self.global_batch * t.seq_len
+        self.metrics.count(self.global_batch * t.seq_len)
+        if not self.first_step_logged:  # start-up, compilation and autotuning included; once per launch
+            self.first_step_logged = True
+            self.startup.done()
+            self.metrics.log_extra(self.step, {"time_to_first_step_sec": time.perf_counter() - STARTED})
+        if self.step == 1:
+            self.sanity_check_first_loss(result.loss)
+        if self.cfg.checkpoint.enable and not self.staging_ready:
+            # after a real optimizer step: DCP would otherwise create Adam's moments with a fake step
+            self.staging_ready = True
+            seconds = self.checkpointer.prepare(self.state_dict())
+            if seconds:
+                self.print(f"prepared the CPU buffer for async checkpoints in {seconds:.1f} s (once per run)")
+        self.stop_signal = self.stop_signal or result.stop_signal
+        self.handle_skip(result)
+        self.last_loss = result.loss
+        if self.step % self.cfg.metrics.log_freq == 0 or self.step == t.steps or result.skipped:
+            self.metrics.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "lr": queued.lr,
+                                         "tokens_seen": self.tokens_seen, "target_tokens": result.target_tokens,
+                                         "skipped_steps": self.skipped_steps, **self.loader.metrics()},
+                             seconds=None if self.last_logged is None else queued.seconds_since(self.last_logged))
+            self.last_logged = queued
+        if self.evaluates(self.step):
+            self.evaluate()
+        if self.saves(self.step):
+            self.save_checkpoint()
+
     def to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def stop_requested(self) -> bool:
-        """Any rank got a signal -> every rank stops after this step (a signal may reach only some ranks)."""
-        flag = torch.tensor(stop_signals.received, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stop_signal = int(flag.item())
-        return self.stop_signal > 0
 
     def sanity_check_first_loss(self, loss: float) -> None:
         expected = math.log(self.cfg.model.vocab_size)

@@ -105,8 +105,8 @@ interrupts=0
 on_interrupt() {
   interrupts=$((interrupts + 1))
   if [[ $interrupts -eq 1 ]]; then
-    echo "launch: stopping after this step with a checkpoint (Ctrl-C again to stop at once, saving nothing)" >&2 \
-      || true
+    echo "launch: stopping after the steps under way, with a checkpoint (Ctrl-C again to stop at once, saving" \
+      "nothing)" >&2 || true
     forward INT
   else
     echo "launch: stopped at once, nothing saved" >&2 || true

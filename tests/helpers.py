@@ -23,6 +23,8 @@ SMALL_TOKENIZER = REPO / "tests/assets/sample_bpe512.json"
 """byte_bpe(the sample's eval documents, vocab_size=512), saved (tests/data/test_data_tokenizer.py checks it). Tests of
 the trainer's mechanics on the sample text use it: at GPT-NeoX's 50k vocabulary the tiny configs' embedding and head
 are most of their parameters, so of every step, FSDP gather, optimizer update and checkpoint on the CPU."""
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun tells a rank; without them flame.train is a job of one rank."""
 SMALL_VOCAB = [f"--data.tokenizer={SMALL_TOKENIZER}", "--model.vocab_size=512"]
 """Overrides: a tiny config on the sample text at SMALL_TOKENIZER's 512 tokens."""
 
@@ -74,15 +76,26 @@ def one_rank(monkeypatch):
     from flame.config import ParallelismConfig
     from flame.parallel import init_distributed
 
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for k in DIST_ENV:
         monkeypatch.delenv(k, raising=False)
     d = init_distributed(ParallelismConfig())
     try:
         yield d
     finally:
         dist.destroy_process_group()
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        for k in DIST_ENV:
             os.environ.pop(k, None)
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """A Trainer built in the test's own process is a job of one rank; the env variables it sets are removed
+    afterwards."""
+    for k in DIST_ENV:
+        monkeypatch.delenv(k, raising=False)
+    yield
+    for k in DIST_ENV:
+        os.environ.pop(k, None)
 
 
 def write_config(tmp_path: Path, name: str = "run", text: str = TINY) -> tuple[Path, Path]:

@@ -2,7 +2,6 @@
 training continues; too many in a row stop the run with a message."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -10,19 +9,7 @@ import torch
 import flame.models.layers as layers
 from flame.config import load_config
 from flame.train import Trainer
-from tests.helpers import read_metrics, write_config
-
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    """An in-process job of one rank; the env variables it sets are removed afterwards."""
-    for k in DIST_ENV:
-        monkeypatch.delenv(k, raising=False)
-    yield
-    for k in DIST_ENV:
-        os.environ.pop(k, None)
+from tests.helpers import read_metrics, single_process, write_config  # noqa: F401 (a fixture)
 
 
 def inject_nan_on_calls(monkeypatch, calls: set[int] | None):
@@ -53,10 +40,10 @@ def test_nan_step_leaves_parameters_and_optimizer_untouched(tmp_path, monkeypatc
                                          f"--optimizer.fused={str(fused).lower()}"]))
     try:
         batch = lambda: [trainer.to_device(next(trainer.loader))]  # noqa: E731
-        assert not trainer.train_step(batch()).skipped
+        assert not trainer.train_step(batch()).read().skipped
         before, moments = local_params(trainer), adam_moments(trainer)
         inject_nan_on_calls(monkeypatch, None)
-        result = trainer.train_step(batch())
+        result = trainer.train_step(batch()).read()
         assert result.skipped and math.isnan(result.loss)
         after = local_params(trainer)
         assert all(torch.equal(before[n], after[n]) for n in before)
@@ -64,7 +51,7 @@ def test_nan_step_leaves_parameters_and_optimizer_untouched(tmp_path, monkeypatc
         assert all(p.grad is None for group in trainer.optimizer.param_groups for p in group["params"])
         assert all(int(s["step"]) == 1 for s in trainer.optimizer.state.values())  # Adam's count did not move
         monkeypatch.undo()
-        result = trainer.train_step(batch())
+        result = trainer.train_step(batch()).read()
         assert not result.skipped and math.isfinite(result.loss)
         assert any(not torch.equal(before[n], p) for n, p in local_params(trainer).items())
     finally:

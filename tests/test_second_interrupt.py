@@ -47,7 +47,7 @@ def test_second_ctrl_c_stops_at_once_saving_nothing(tmp_path):
     try:
         wait_for_step(dump, proc, 1)   # step 1 logged: step 2 has just begun
         os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C in a terminal: the launcher's whole process group
-        wait_for_line(err, "stopping after this step with a checkpoint", proc, out)
+        wait_for_line(err, "stopping after the steps under way, with a checkpoint", proc, out)
         time.sleep(0.3)   # the launcher has forwarded it to the rank, whose step 2 is still running
         assert proc.poll() is None and len(run_processes(dump)) >= 5   # launcher, torchrun, rank, 2 data workers
         os.killpg(proc.pid, signal.SIGINT)
