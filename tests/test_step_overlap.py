@@ -56,9 +56,10 @@ def test_each_step_is_read_while_the_next_one_runs(tmp_path, monkeypatch, single
     assert events == expected
     rows = read_metrics(dump)
     assert [r["step"] for r in rows] == list(range(1, 10))
-    # a line's tokens/s: over its own step's work, however late the host read it (the CPU's clock here)
+    # a line's tokens/s: over the time from the end of the step before to the end of its own (the device's clock
+    # on a GPU), whether the host read it at once or after queuing the next
     for r in rows[1:]:
-        seconds = steps[r["step"]].done_at - steps[r["step"] - 1].done_at
+        seconds = steps[r["step"]].seconds_since(steps[r["step"] - 1])
         assert abs(r["tokens_per_sec"] * seconds / (4 * 32) - 1) < 1e-9
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4", "step-8", "step-9"]
 
