@@ -10,7 +10,8 @@ into {dump_folder}/profile/:
 
 The whole iteration is recorded (data, forward, backward, clipping, optimizer, logging, checkpoint saves, the stop
 check), each step under a `ProfilerStep#<n>` range. The summary gives the wall time (host clock, the device
-synchronized at both ends), the time the device was busy (the union of its kernel, memcpy and memset intervals:
+synchronized at both ends; split into steps at the loop's tops, where the host, which queues a step while the device
+runs the one before, has got to), the time the device was busy (the union of its kernel, memcpy and memset intervals:
 streams that overlap count once) and so the share it sat idle (launch gaps, host syncs, waits for data or other
 ranks), then the device time by kind (matmuls, attention, our Triton kernels, Inductor's, copies, the rest), the
 kernels by device time, the GPU's idle gaps by the host op over each (where the GPU waited on the host), the host ops
