@@ -168,7 +168,7 @@ def env(without: tuple[str, ...] = (), extra: dict[str, str] | None = None) -> d
     e = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     if not JOBS_SEE_GPUS:  # as on a CPU-only machine (tests/conftest.py)
         e.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *without):
+    for k in (*DIST_ENV, *without):
         e.pop(k, None)
     return dict(e, **(extra or {}))
 
