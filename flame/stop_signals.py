@@ -1,7 +1,7 @@
 """How a rank is asked to stop: SIGINT (Ctrl-C, forwarded by scripts/launch.sh), SIGTERM and SIGUSR1 (preemption
-notices) mean "finish the steps under way, save a checkpoint, exit 0": the step being queued carries no flag yet, the
-next one does, and the trainer reads it once the one after is queued, so at most two more steps run. A second SIGINT
-means "stop at once, save nothing".
+notices) mean "finish the steps under way, save a checkpoint, exit 0": the step being queued carries the flag (or,
+received after its last launch, the next one does) and the trainer reads it once the next step is queued, so at most
+one more step runs. A second SIGINT means "stop at once, save nothing".
 
 Installed as the rank starts, before its slow imports, so that a stop asked for during start-up is kept for the first
 step instead of surfacing as a KeyboardInterrupt traceback.

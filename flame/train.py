@@ -58,7 +58,7 @@ class StepResult:
     """Target (non-ignored) tokens in the global batch."""
     skipped: bool
     stop_signal: int
-    """The first stop signal any rank had received when the step was queued (0: none)."""
+    """The first stop signal any rank had received by the end of the step's queuing (0: none)."""
 
 
 class QueuedStep:
@@ -269,9 +269,6 @@ class Trainer:
         """Queue step `next_step`; the host waits for the device only with the non-fused optimizer, which checks the
         loss and gradient norm before it updates."""
         number, lr = self.next_step, self.optimizer.param_groups[0]["lr"]
-        # any rank that got a signal stops every rank (a signal may reach only some ranks)
-        stop_flag = torch.full((), stop_signals.received, device=self.device)  # (a fill: no copy the host waits for)
-        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
         # Normalize by the target tokens of the whole global batch (all micro-batches, all ranks), counted first.
         pieces = [self.model_inputs(mb) for mb in micro_batches]
         n_local = sum(count_targets(p["labels"]) for p in pieces)
@@ -297,6 +294,9 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()  # the schedule follows the step count, skipped steps included
         self.optimizer.zero_grad(set_to_none=True)
+        # any rank that got a signal by now stops every rank (a signal may reach only some ranks)
+        stop_flag = torch.full((), stop_signals.received, device=self.device)  # (a fill: no copy the host waits for)
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
         return QueuedStep(number, lr, loss, grad_norm, n_global, stop_flag)
 
     # ---------------------------------------------------------------------------------------------------- the loop

@@ -11,13 +11,12 @@ from flame.train import QueuedStep, Trainer
 from tests.helpers import REPO, SMALL_VOCAB, read_metrics, single_process, write_config  # noqa: F401 (a fixture)
 
 
-def record_queue_and_read(trainer, monkeypatch, before_queue=lambda number: None) -> list[tuple]:
+def record_queue_and_read(trainer, monkeypatch) -> list[tuple]:
     """("queued", n, step) as step n's work is queued, ("read", n) as its results are read, in the order they
     happen."""
     events, queue, read = [], trainer.train_step, QueuedStep.read
 
     def train_step(micro_batches):
-        before_queue(trainer.next_step)
         queued = queue(micro_batches)
         events.append(("queued", queued.number, queued))
         return queued
@@ -69,11 +68,15 @@ def test_a_stop_signal_finishes_the_step_queued_behind_it(tmp_path, monkeypatch,
     monkeypatch.setattr(stop_signals, "received", 0)
     trainer = Trainer(load_config(path, ["--training.steps=6"]))
     try:
-        def signal_before(number):  # step 3's flag carries it; step 3 is read once step 4 is queued
-            if number == 3:
+        update = trainer.scheduler.step
+
+        def update_then_signal():  # a signal that comes while step 3's work is being queued, after its update
+            update()
+            if trainer.next_step == 3:
                 stop_signals.received = signal.SIGTERM
-        record_queue_and_read(trainer, monkeypatch, signal_before)
-        trainer.train()
+
+        monkeypatch.setattr(trainer.scheduler, "step", update_then_signal)
+        trainer.train()  # step 3's flag carries it; step 3 is read once step 4 is queued
     finally:
         trainer.close()
     assert "stopped at step 4 on signal SIGTERM" in capsys.readouterr().out
