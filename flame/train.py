@@ -105,7 +105,7 @@ class Trainer:
             self.step = self.tokens_seen = self.skipped_steps = self.consecutive_skips = self.last_saved = 0
             self.last_loss: float | None = None  # for the closing line
             self.stop_signal = 0
-            self.queued_ahead = 0  # 1 while a queued step is not read yet
+            self.unread: QueuedStep | None = None  # a step queued and not read yet (the loop reads it a step later)
             self.first_step_logged = False  # time_to_first_step_sec, once per launch
             self.last_logged: QueuedStep | None = None  # where the next metrics line's time window begins
             self.staging_ready = False
@@ -319,18 +319,17 @@ class Trainer:
         if self.step < t.steps:
             self.startup.stage("the first step" + (": torch.compile and the kernels' autotuning run in it"
                                                    if t.compile or self.d.on_gpu else ""))
-        unread: QueuedStep | None = None
         while self.step < t.steps:
             self.profiler.before_step(self.next_step)  # [profiling]: a window opens or closes here
             micro_batches = [self.to_device(next(self.loader)) for _ in range(t.gradient_accumulation_steps)]
             self.heartbeat.arrive(self.next_step)
             queued = self.train_step(micro_batches)
-            if unread is not None:
-                self.finish_step(unread)
-            unread, self.queued_ahead = queued, 1
+            previous, self.unread = self.unread, queued
+            if previous is not None:
+                self.finish_step(previous)
             n = queued.number  # read at once: what evaluates, saves or ends reads this step's weights, not the next's
             if self.stop_signal or not self.first_step_logged or n == t.steps or self.evaluates(n) or self.saves(n):
-                unread, self.queued_ahead = None, 0
+                self.unread = None
                 self.finish_step(queued)
             if self.stop_signal:
                 if self.cfg.checkpoint.enable and self.last_saved != self.step:
@@ -346,7 +345,7 @@ class Trainer:
     @property
     def next_step(self) -> int:
         """The number of the step to queue next."""
-        return self.step + 1 + self.queued_ahead
+        return self.step + 1 + (self.unread is not None)
 
     def evaluates(self, step: int) -> bool:
         v = self.cfg.validation
