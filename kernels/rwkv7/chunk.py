@@ -24,6 +24,7 @@ import torch
 
 from kernels.launch import launch, register_fake
 from kernels.limits import RWKV7_MAX_K
+from kernels.rwkv7 import scan_cuda
 from kernels.rwkv7.decay import DECAY_SCALE, log_decay
 from kernels.rwkv7.torch_chunk import chunk_rwkv7_torch
 from kernels.settings import check_choice, check_tiles_and_warps, from_text, to_text
@@ -57,7 +58,11 @@ class Settings:
     """V tile of the sequence scans and of the blocked scan's sequential part; None: kernels.utils.scan_tile, the
     widest tile that still gives about one program per SM."""
     scan_warps: int = 4
-    """Warps of the scans (sequence scans, block fills, the blocked scan's sequential part)."""
+    """Warps of the Triton scans (sequence scans, block fills, the blocked scan's sequential part)."""
+    cuda_scan: bool = True
+    """The forward's sequence scans in CUDA (scan.cu: the state held in tensor-core registers for the whole
+    sequence) where scan_cuda.runs says it takes the call (bf16, K = 64, V a multiple of 64, sm_90 or later); the
+    Triton scan elsewhere and with False. Same inputs, outputs and products (tf32 operands, fp32 accumulation)."""
     prep_warps: int = 4
     """Warps of _fwd_prep."""
     prep_maxnreg: int | None = 168
@@ -173,6 +178,9 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     scan = dict(H=H, K=K, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
     tensors = (r, wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
+    if blocks is None and s.cuda_scan and scan_cuda.runs(r, k, v, b, s.bf16(r)):
+        scan_cuda.fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale, TT)
+        return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
     if blocks is None:
         launch(_fwd_scan, (N, H, cdiv(V, BV)), *tensors, None, *per_chunk, None, None, scale, TT, V=V, BV=BV,
                BLOCKED=False, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht, num_warps=s.scan_warps, **scan)
