@@ -48,6 +48,20 @@ def main():
         for kernel, r in sm90.report(op, "resources", settings.get(name)).items():
             print(f"| {kernel} | {r['registers']} | {r['stack']} | {r['shared']} | {r['instructions']} "
                   f"| {r['loop']} | {r['loads_first']} / {r['loads']} |", flush=True)
+        if name == "rwkv7":
+            cuda_scan_row()
+
+
+def cuda_scan_row():
+    """The forward's CUDA sequence scan (it takes _fwd_scan's place on sm_90 where it applies), built by NVRTC."""
+    from kernels import cuda_rtc
+    from kernels.rwkv7 import scan_cuda
+    if cuda_rtc._nvrtc() is None:
+        print("(the CUDA scan: NVRTC not installed)")
+        return
+    r = scan_cuda.resources()
+    print(f"| {scan_cuda.NAME} (CUDA; in _fwd_scan's place) | {r['registers']} | {r['spilled_bytes']} "
+          f"| {scan_cuda.shared_bytes()} | | | |")
 
 
 if __name__ == "__main__":

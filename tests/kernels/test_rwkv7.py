@@ -323,6 +323,7 @@ def test_gpu_matches_cpu_torch_path():
 # sequences with K != V (the backward holding dh for 5 or 16 chunks at a time, or for all; the chunk states alone
 # kept).
 VARIANTS = [dict(prep_maxnreg=None), dict(prep_maxnreg=128), dict(blocked_scan=False),
+            dict(blocked_scan=False, cuda_scan=False),
             dict(blocked_scan=False, bwd_dh_chunks=5), dict(blocked_scan=False, bwd_dh_chunks=0),
             dict(blocked_scan=True, block_chunks=8), dict(blocked_scan=True, block_chunks=8, bwd_dh_chunks=20),
             dict(blocked_scan=False, keep_chunk_tensors=False), dict(blocked_scan=True, keep_chunk_tensors=False)]
@@ -334,3 +335,55 @@ def test_gpu_variants_match_naive(fields):
     settings = Settings(**fields)
     common.gpu_stress_decays_t4096(OP, torch.bfloat16, seed=10, settings=settings)
     common.gpu_varlen_k_ne_v(OP, torch.bfloat16, settings=settings)
+
+
+# ---------------------------------------------------------------- the forward sequence scan in CUDA (scan.cu)
+
+
+def test_cuda_scan_builds_for_an_h100():
+    # built for sm_90 without a GPU (NVRTC): two blocks of 256 threads fit an SM's registers, nothing spills, two
+    # blocks fit its shared memory, and the size the launch gives is the kernel's Shared (a static_assert in the build)
+    from kernels import cuda_rtc
+    from kernels.rwkv7 import scan_cuda
+
+    if cuda_rtc._nvrtc() is None:
+        pytest.skip("NVRTC (the nvidia-cuda-nvrtc-cu12 test requirement) is not installed")
+    built = scan_cuda.resources("sm_90")
+    assert built["registers"] <= 128 and built["spilled_bytes"] == 0, built
+    assert 2 * (scan_cuda.shared_bytes() + 1024) <= 228 * 1024   # (1 KiB an SM reserves per block)
+
+
+SEQUENCE_SCANS = Settings(blocked_scan=False)
+
+
+@gpu
+def test_gpu_cuda_scan_runs_where_built_for():
+    # on a Hopper GPU the model's calls take the CUDA scan (a failed NVRTC lookup would otherwise fall back unseen)
+    from kernels.rwkv7 import scan_cuda
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the CUDA scan needs sm_90 (stmatrix)")
+    x = torch.zeros(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert scan_cuda.runs(x, x, x, x, True)
+    assert not scan_cuda.runs(x.float(), x.float(), x.float(), x.float(), False)
+    assert not scan_cuda.runs(x[..., :32], x[..., :32], x, x[..., :32], True)
+    shifted = torch.zeros(x.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:x.numel() + 1].view(x.shape)
+    assert not scan_cuda.runs(shifted, x, x, x, True)   # 2 bytes past an aligned start
+    assert scan_cuda.kernel(x.device).spilled_bytes == 0
+
+
+@gpu
+@pytest.mark.parametrize("B,T,H,V,lens,with_h0", [
+    (8, 512, 20, 64, None, True),                       # the 0.6B layer's heads
+    (1, None, 4, 64, [1, 15, 16, 17, 100, 333], True),  # packed, chunks cut short
+    (2, 300, 3, 128, None, False),                      # two blocks of 64 columns per head, no initial state
+])
+def test_gpu_cuda_scan_matches_naive_and_triton_scan(B, T, H, V, lens, with_h0):
+    cu = None if lens is None else torch.tensor([0] + lens).cumsum(0).cuda()
+    xs, h0 = rwkv7_inputs(B, T or sum(lens), H, 64, V, device="cuda", dtype=torch.bfloat16, seed=21,
+                          n_seq=None if lens is None else len(lens))
+    h0 = h0 if with_h0 else None
+    got = run(chunk_rwkv7, xs, h0, 0.5, cu, settings=SEQUENCE_SCANS)
+    assert_close(got, naive(xs, h0, 0.5, cu), GPU_TOL, "cuda scan vs fp64")
+    triton_scan = run(chunk_rwkv7, xs, h0, 0.5, cu, settings=Settings(blocked_scan=False, cuda_scan=False))
+    assert_close(got, triton_scan, GPU_TOL, "cuda scan vs the Triton scan")
