@@ -225,14 +225,15 @@ def idle_under_host_ops(events, work=None, min_gap_us: float = MIN_GAP_US) -> li
     return sorted(((n, us, k) for n, (us, k) in found.items()), key=lambda r: -r[1])
 
 
-KINDS = ("matmuls (cuBLAS, CUTLASS)", "attention (flash, cuDNN SDPA)", "flame's Triton kernels (kernels/)",
+KINDS = ("matmuls (cuBLAS, CUTLASS)", "attention (flash, cuDNN SDPA)", "flame's kernels (kernels/)",
          "Inductor's kernels (triton_*)", "copies and memsets", "other (PyTorch's own: optimizer, reductions, casts)")
 """The summary's groups of device work, in its order."""
 
 
 def device_kind(name: str, activity: str) -> str:
     """Which of KINDS a piece of device work is, by its kernel name (the names CUDA libraries, Inductor and our
-    kernels get: Inductor's start with triton_, ours are the Triton functions of kernels/, _fwd_prep and the like)."""
+    kernels get: Inductor's start with triton_; ours are the Triton functions of kernels/, _fwd_prep and the like,
+    and its CUDA kernels, named flame_*)."""
     low = name.lower()
     if activity in ("gpu_memcpy", "gpu_memset"):
         return KINDS[4]
@@ -243,7 +244,7 @@ def device_kind(name: str, activity: str) -> str:
     if low.startswith(("nvjet", "sm90_xmma", "sm80_xmma", "ampere_")) or any(
             s in low for s in ("gemm", "cutlass", "cublas", "splitkreduce")):
         return KINDS[0]
-    if name.startswith("_") and not name.startswith("_Z"):   # (_Z: a mangled C++ name)
+    if name.startswith("flame_") or (name.startswith("_") and not name.startswith("_Z")):   # (_Z: mangled C++)
         return KINDS[2]
     return KINDS[5]
 

@@ -148,6 +148,7 @@ def test_device_time_by_kind():
             ("void at::native::reduce_kernel<128, 4>", 700, 750, "kernel")]
     assert [device_kind(n, a) for n, _, _, a in work] == list(KINDS)
     assert device_kind("_ZN2at6native18elementwise_kernelE", "kernel") == KINDS[5]
+    assert device_kind("flame_rwkv7_fwd_scan", "kernel") == KINDS[2]   # our CUDA kernels
     assert device_kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>", "kernel") == KINDS[0]
     events = EventList([fake_event("ProfilerStep*", 100, 1100, "user_annotation")]
                        + [fake_event(*w) for w in work], use_device="cuda")

@@ -103,7 +103,7 @@ __device__ __forceinline__ float2 b_pair(const float* x, int n, int k, int S) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, const bf16* __restrict__ k,
+flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, const bf16* __restrict__ k,
                const bf16* __restrict__ v, const bf16* __restrict__ b, const int* __restrict__ cu,
                const int* __restrict__ chunk_offsets, const float* __restrict__ W, const float* __restrict__ Uv,
                const float* __restrict__ Arb, const float* __restrict__ Ark, const float* __restrict__ h0,

@@ -14,7 +14,8 @@ from kernels import cuda_rtc
 
 KD = 64
 """The key head size scan.cu is built for (its KD)."""
-NAME = "rwkv7_fwd_scan"
+NAME = "flame_rwkv7_fwd_scan"
+"""The kernel's name: flame_ marks our CUDA kernels in profiles (flame.profiling.device_kind)."""
 
 
 @functools.lru_cache(maxsize=1)
