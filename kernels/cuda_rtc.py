@@ -109,7 +109,7 @@ class Kernel:
         self.module, self.function = ctypes.c_void_p(), ctypes.c_void_p()
         cuda = _driver()
         with torch.cuda.device(device):
-            torch.cuda.synchronize()   # makes PyTorch's (primary) context current on this thread: the module's
+            torch.cuda.synchronize()   # the module loads into the current context: makes PyTorch's current here
             _check_driver(cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), f"loading {name}")
             _check_driver(cuda.cuModuleGetFunction(ctypes.byref(self.function), self.module, name.encode()),
                           f"finding {name}")

@@ -74,7 +74,8 @@ __device__ __forceinline__ void store_transposed(const bf16* row_address, unsign
                  : "memory");
 }
 
-// 16 bytes from global to shared memory, asynchronously; zeros where `valid` is false (nothing is read then)
+// 16 bytes from global to shared memory, asynchronously; zeros where `valid` is false (src-size 0: nothing is read,
+// whatever the address)
 __device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(valid ? 16 : 0));
@@ -269,7 +270,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             for (int i = 0; i < KD / 16; i++)
                 store_transposed(stage + (8 * (2 * i + (m >> 1)) + c) * 16 + 8 * (m & 1),
                                  bf16x2(st[2 * i][0], st[2 * i][1]), bf16x2(st[2 * i][2], st[2 * i][3]),
-                                 bf16x2(st[2 * i + 1][0], st[2 * i + 1][1]), bf16x2(st[2 * i + 1][2], st[2 * i + 1][3]));
+                                 bf16x2(st[2 * i + 1][0], st[2 * i + 1][1]),
+                                 bf16x2(st[2 * i + 1][2], st[2 * i + 1][3]));
         }
         __syncwarp();
         {
@@ -346,7 +348,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             if (t < eos) {
                 const i64 off = ((i64)t * H + hh) * V + v_w + 8 * half;
                 *reinterpret_cast<uint4*>(U + off) = *reinterpret_cast<const uint4*>(stage + row * 16 + 8 * half);
-                *reinterpret_cast<uint4*>(o + off) = *reinterpret_cast<const uint4*>(stage + (BT + row) * 16 + 8 * half);
+                *reinterpret_cast<uint4*>(o + off) =
+                    *reinterpret_cast<const uint4*>(stage + (BT + row) * 16 + 8 * half);
             }
         }
         __syncthreads();
