@@ -53,15 +53,17 @@ def main():
 
 
 def cuda_scan_row():
-    """The forward's CUDA sequence scan (it takes _fwd_scan's place on sm_90 where it applies), built by NVRTC."""
+    """The CUDA sequence scans (they take _fwd_scan's and _bwd_scan's place on sm_90 where they apply), built by
+    NVRTC."""
     from kernels import cuda_rtc
     from kernels.rwkv7 import scan_cuda
     if cuda_rtc._nvrtc() is None:
-        print("(the CUDA scan: NVRTC not installed)")
+        print("(the CUDA scans: NVRTC not installed)")
         return
-    r = scan_cuda.resources()
-    print(f"| {scan_cuda.NAME} (CUDA; in _fwd_scan's place) | {r['registers']} | {r['spilled_bytes']} "
-          f"| {scan_cuda.shared_bytes()} | | | |")
+    for scan, instead in ((scan_cuda.FORWARD, "_fwd_scan"), (scan_cuda.BACKWARD, "_bwd_scan")):
+        r = scan.resources()
+        print(f"| {scan.name} (CUDA; in {instead}'s place) | {r['registers']} | {r['spilled_bytes']} "
+              f"| {scan.shared_bytes} | | | |")
 
 
 if __name__ == "__main__":

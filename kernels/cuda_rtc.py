@@ -59,13 +59,25 @@ def _check_driver(result: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else result}")
 
 
+HEADERS = ("tiles.cuh",)
+"""kernels/ headers every source may include by name."""
+
+
+@functools.lru_cache(maxsize=1)
+def _headers() -> tuple[list[bytes], list[bytes]]:
+    here = os.path.dirname(__file__)
+    return [open(os.path.join(here, h), "rb").read() for h in HEADERS], [h.encode() for h in HEADERS]
+
+
 def _compile(source: str, name: str, options: list[str]) -> tuple[bytes, str]:
     """(cubin, NVRTC's log) of `source`."""
     nvrtc = _nvrtc()
     if nvrtc is None:
         raise RuntimeError("NVRTC (libnvrtc) was not found")
     prog = ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
+    texts, names = _headers()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), len(texts),
+                                (ctypes.c_char_p * len(texts))(*texts), (ctypes.c_char_p * len(names))(*names)):
         raise RuntimeError(f"NVRTC could not create the program of {name}")
     try:
         opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))

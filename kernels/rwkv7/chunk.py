@@ -60,9 +60,10 @@ class Settings:
     scan_warps: int = 4
     """Warps of the Triton scans (sequence scans, block fills, the blocked scan's sequential part)."""
     cuda_scan: bool = True
-    """The forward's sequence scans in CUDA (scan.cu: the state held in tensor-core registers for the whole
-    sequence) where scan_cuda.runs says it takes the call (bf16, K = 64, V a multiple of 64, sm_90 or later); the
-    Triton scan elsewhere and with False. Same inputs, outputs and products (tf32 operands, fp32 accumulation)."""
+    """The sequence scans, forward and backward, in CUDA (scan.cu, bwd_scan.cu: the state or its gradient held in
+    tensor-core registers for the whole sequence) where scan_cuda.runs says they take the call (bf16, K = 64, V a
+    multiple of 64, sm_90 or later); the Triton scans elsewhere and with False. Same inputs, outputs and products
+    (tf32 operands, fp32 accumulation)."""
     prep_warps: int = 4
     """Warps of _fwd_prep."""
     prep_maxnreg: int | None = 168
@@ -178,7 +179,7 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     scan = dict(H=H, K=K, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
     tensors = (r, wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
-    if blocks is None and s.cuda_scan and scan_cuda.runs(r, k, v, b, s.bf16(r)):
+    if blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.FORWARD, r, v, (r, k, v, b), s.bf16(r)):
         scan_cuda.fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale, TT)
         return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
     if blocks is None:
@@ -233,6 +234,7 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
                      num_warps=BWD_WARPS)
     C = NT // N if seq_len else 0   # chunks per sequence (equal rows)
     L = max(1, s.bwd_dh_chunks // N)
+    cuda = blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.BACKWARD, r, v, (r, a, b, do), s.bf16(r))
     if blocks is None and s.bwd_dh_chunks and L < C:
         # segments of L chunks of every sequence, the last first: dh holds one segment's chunk ends, the gradient
         # dS carried from segment to segment in dS (read at a segment's end, written at its start)
@@ -241,17 +243,25 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
         for first in reversed(range(0, C, L)):
             count = min(L, C - first)
             dS_end = dS if first + count < C else dht
-            launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS, None,
-                   scale, TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=True,
-                   HAS_DHT=dS_end is not None, STORE_DH0=True, num_warps=s.scan_warps, **scan)
+            if cuda:
+                scan_cuda.bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dS_end, dh, dZ, dS, scale, TT,
+                                   first, count, True)
+            else:
+                launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS, None,
+                       scale, TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=True,
+                       HAS_DHT=dS_end is not None, STORE_DH0=True, num_warps=s.scan_warps, **scan)
             launch(_bwd_chunk, (N * count, H), *ops, dh, *grads, first, count, C, **per_chunk)
         return dr, dw, dk, dv, da, db, dS if h0 is not None else None
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     if blocks is None:
         dh = torch.empty(NT, H, K, V, **f32)
-        launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
-               0, 0, BV=BV, BLOCKED=False, OUT=True, SEGMENT=False, HAS_DHT=dht is not None,
-               STORE_DH0=h0 is not None, num_warps=s.scan_warps, **scan)
+        if cuda:
+            scan_cuda.bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale, TT, 0, 0,
+                               False)
+        else:
+            launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
+                   0, 0, BV=BV, BLOCKED=False, OUT=True, SEGMENT=False, HAS_DHT=dht is not None,
+                   STORE_DH0=h0 is not None, num_warps=s.scan_warps, **scan)
         launch(_bwd_chunk, (NT, H), *ops, dh, *grads, 0, NT, 0, **per_chunk)
     else:
         block_offsets, block_index, NB = blocks

@@ -1,11 +1,13 @@
-"""The forward sequence scan in CUDA (scan.cu, compiled at run time by kernels.cuda_rtc): the Triton `_fwd_scan`'s
-sequence role, for what the 0.6B layers run (bf16 inputs, key heads of 64, V a multiple of 64). `chunk._fwd` takes
-it where `runs(...)` says so and the Triton scan elsewhere; both read and write the same tensors."""
+"""The sequence scans in CUDA (compiled at run time by kernels.cuda_rtc): the forward's (scan.cu, the Triton
+`_fwd_scan`'s sequence role) and the backward's (bwd_scan.cu, `_bwd_scan`'s), for what the 0.6B layers run (bf16
+inputs, key heads of 64, V a multiple of 64). `chunk._fwd` and `chunk._bwd` take them where `runs(...)` says so and the
+Triton scans elsewhere; each reads and writes the tensors its Triton scan does."""
 
 from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,68 +15,98 @@ import torch
 from kernels import cuda_rtc
 
 KD = 64
-"""The key head size scan.cu is built for (its KD)."""
-NAME = "flame_rwkv7_fwd_scan"
-"""The kernel's name: flame_ marks our CUDA kernels in profiles (flame.profiling.device_kind)."""
+"""The key head size the kernels are built for (their KD)."""
+BT, VC = 16, 64
+"""Tokens a chunk, value columns a block."""
 
 
-@functools.lru_cache(maxsize=1)
-def _source() -> str:
-    return (Path(__file__).parent / "scan.cu").read_text()
+@dataclass(frozen=True)
+class Scan:
+    """One of the two kernels: its source file, its name (flame_ marks our CUDA kernels in profiles:
+    flame.profiling.device_kind) and the shared memory a block takes (its Shared, which the build checks)."""
+    file: str
+    name: str
+    shared_bytes: int
+
+    def source(self) -> str:
+        return (Path(__file__).parent / self.file).read_text()
+
+    def defines(self) -> dict:
+        """What the build is given: the shared memory a block is launched with, which the source checks against
+        its Shared (a static_assert: a build where the two disagree fails)."""
+        return {"SHARED_BYTES": self.shared_bytes}
+
+    def resources(self, arch: str = "sm_90") -> dict:
+        """Registers and spilled bytes a thread of the kernel built for `arch` takes (NVRTC, no GPU)."""
+        return cuda_rtc.resources(self.source(), self.name, arch, self.defines())
+
+    def kernel(self, device: torch.device) -> cuda_rtc.Kernel | None:
+        """The compiled kernel for `device`, or None where it cannot run (no NVRTC, a GPU before sm_90, a failed
+        compile: said once, and the Triton scan runs)."""
+        return _kernel(self, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def runs(r: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, bf16_kept: bool) -> bool:
-    """Whether the CUDA scan takes a call: bf16 inputs (the chunk states and U kept in bf16) starting 16-byte
-    aligned (it copies 16 bytes at a time), K = 64, V a multiple of 64 (the block's columns), on a Hopper GPU or later
-    (sm_90's stmatrix) where the kernel compiles."""
-    if not (r.is_cuda and r.dtype == v.dtype == torch.bfloat16 and bf16_kept and r.shape[-1] == KD
-            and v.shape[-1] % 64 == 0 and all(x.data_ptr() % 16 == 0 for x in (r, k, v, b))):
-        return False
-    return kernel(r.device) is not None
+def _inputs_and_formed(forward: bool) -> tuple[int, int, int]:
+    """Bytes of a chunk's Inputs and Formed and of the consumers' staging tiles (the structs of scan.cu and
+    bwd_scan.cu)."""
+    w, rows3 = 4 * KD * BT, 3 * 2 * BT * KD            # w by chunk; three bf16 [t][key] tiles
+    tile = 4 * BT * (BT + 8)                           # an fp32 [BT, BT] tile
+    token_major, key_major = 4 * BT * (KD + 8), 4 * KD * (BT + 4)
+    if forward:   # + W, A_rb, A_rk, Uv, v | R, K, B, eC | bf16 [KD, 16] a warp
+        inputs = w + rows3 + token_major + 2 * tile + 4 * BT * (VC + 4) + 2 * BT * (VC + 8)
+        return inputs, token_major + 2 * key_major + 4 * KD, 4 * KD * 16 * 2
+    # + dO, A_rb, T | A_rb^T, T^T, b e^{gC-g}, r e^g, a e^{g-w}, eC | fp32 [KD, 20] a warp
+    inputs = w + rows3 + 2 * BT * (VC + 8) + 2 * tile
+    return inputs, 2 * tile + token_major + 2 * key_major + 4 * KD, 4 * KD * 20 * 4
 
 
-def defines() -> dict:
-    """What the kernel's build is given: the shared memory a block is launched with, which scan.cu checks against
-    its Shared (a static_assert: a build where the two disagree fails)."""
-    return {"SHARED_BYTES": shared_bytes()}
+def _shared_bytes(forward: bool) -> int:
+    inputs, formed, stages = _inputs_and_formed(forward)
+    return 3 * inputs + 2 * formed + stages
 
 
-def resources(arch: str = "sm_90") -> dict:
-    """Registers and spilled bytes a thread of the kernel built for `arch` takes (NVRTC, no GPU)."""
-    return cuda_rtc.resources(_source(), NAME, arch, defines())
-
-
-def shared_bytes() -> int:
-    """Dynamic shared memory of a block: scan.cu's Shared."""
-    bt, vc = 16, 64
-    inputs = 4 * KD * bt + 3 * 2 * bt * KD + 4 * bt * (KD + 8) + 2 * 4 * bt * (bt + 8) + 4 * bt * (vc + 4) \
-        + 2 * bt * (vc + 8)
-    formed = 4 * bt * (KD + 8) + 2 * 4 * KD * (bt + 4) + 4 * KD
-    return 3 * inputs + 2 * formed + 4 * KD * 16 * 2
-
-
-def kernel(device: torch.device) -> cuda_rtc.Kernel | None:
-    """The compiled scan for `device`, or None where it cannot run (no NVRTC, a GPU before sm_90, a failed compile:
-    said once, and the Triton scan runs)."""
-    return _kernel(device.index if device.index is not None else torch.cuda.current_device())
+FORWARD = Scan("scan.cu", "flame_rwkv7_fwd_scan", _shared_bytes(True))
+BACKWARD = Scan("bwd_scan.cu", "flame_rwkv7_bwd_scan", _shared_bytes(False))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(index: int) -> cuda_rtc.Kernel | None:
+def _kernel(scan: Scan, index: int) -> cuda_rtc.Kernel | None:
     cc = cuda_rtc.capability(index)
     if cc is None or cc[0] < 9:
         return None
     try:
-        return cuda_rtc.compile_kernel(_source(), NAME, torch.device("cuda", index), defines())
+        return cuda_rtc.compile_kernel(scan.source(), scan.name, torch.device("cuda", index), scan.defines())
     except RuntimeError as e:
-        warnings.warn(f"RWKV-7's CUDA scan is not available here, the Triton scan runs instead: {e}", stacklevel=2)
+        warnings.warn(f"RWKV-7's CUDA scan {scan.name} is not available here, the Triton scan runs instead: {e}",
+                      stacklevel=2)
         return None
+
+
+def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, bf16_kept: bool) -> bool:
+    """Whether a CUDA scan takes a call: bf16 inputs (the chunk states, U and dZ kept in bf16), `tensors` (the
+    caller's, which it copies 16 bytes at a time) 16-byte aligned, K = 64, V a multiple of 64 (the block's columns),
+    on a Hopper GPU or later (sm_90's stmatrix) where the kernel compiles."""
+    if not (r.is_cuda and r.dtype == v.dtype == torch.bfloat16 and bf16_kept and r.shape[-1] == KD
+            and v.shape[-1] % VC == 0 and all(x.data_ptr() % 16 == 0 for x in tensors)):
+        return False
+    return scan.kernel(r.device) is not None
 
 
 def fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale: float, TT: int) -> None:
     """The sequence scan over every sequence of cu: o, h, U (and ht where given) from the state h0 (or zero)."""
     N, H, V = cu.numel() - 1, r.shape[2], v.shape[-1]
-    kernel(r.device).launch(
-        (N, H, V // 64), 256, shared_bytes(), r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0,
+    FORWARD.kernel(r.device).launch(
+        (N, H, V // VC), 256, FORWARD.shared_bytes, r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0,
         o, h, U, ht, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", int(h0 is not None)),
         ("i32", int(ht is not None)))
+
+
+def bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale: float, TT: int,
+             seg_first: int, seg_count: int, segment: bool) -> None:
+    """The backward sequence scan, last chunk to first: dh (the state gradient at each chunk's end, rows as
+    `_bwd_scan` numbers them) and dZ from dht (or zero), the gradient at the start to dh0 where given."""
+    N, H, V = cu.numel() - 1, r.shape[2], do.shape[-1]
+    BACKWARD.kernel(r.device).launch(
+        (N, H, V // VC), 256, BACKWARD.shared_bytes, r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ,
+        dh0, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", seg_first), ("i32", seg_count),
+        ("i32", int(segment)), ("i32", int(dht is not None)), ("i32", int(dh0 is not None)))

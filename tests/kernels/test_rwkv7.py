@@ -351,9 +351,10 @@ def test_cuda_scan_builds_for_an_h100():
     if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
         pytest.skip("NVRTC is a test requirement on Linux x86_64 only (pyproject.toml)")
     assert cuda_rtc._nvrtc() is not None, "NVRTC (nvidia-cuda-nvrtc-cu12, a test requirement) is not installed"
-    built = scan_cuda.resources("sm_90")
-    assert built["registers"] <= 128 and built["spilled_bytes"] == 0, built
-    assert 2 * (scan_cuda.shared_bytes() + 1024) <= 228 * 1024   # (1 KiB an SM reserves per block)
+    for scan in (scan_cuda.FORWARD, scan_cuda.BACKWARD):
+        built = scan.resources("sm_90")
+        assert built["registers"] <= 128 and built["spilled_bytes"] == 0, (scan.name, built)
+        assert 2 * (scan.shared_bytes + 1024) <= 228 * 1024, scan.name   # (1 KiB an SM reserves per block)
 
 
 SEQUENCE_SCANS = Settings(blocked_scan=False)
@@ -367,14 +368,15 @@ def test_gpu_cuda_scan_runs_where_built_for():
 
     x = torch.zeros(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     if torch.cuda.get_device_capability()[0] < 9:
-        assert not scan_cuda.runs(x, x, x, x, True) and scan_cuda.kernel(x.device) is None
+        assert not any(scan_cuda.runs(scan, x, x, (x,), True) or scan.kernel(x.device) for scan in (scan_cuda.FORWARD, scan_cuda.BACKWARD))
         return
-    assert scan_cuda.runs(x, x, x, x, True)
-    assert not scan_cuda.runs(x.float(), x.float(), x.float(), x.float(), False)
-    assert not scan_cuda.runs(x[..., :32], x[..., :32], x, x[..., :32], True)
     shifted = torch.zeros(x.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:x.numel() + 1].view(x.shape)
-    assert not scan_cuda.runs(shifted, x, x, x, True)   # 2 bytes past an aligned start
-    assert scan_cuda.kernel(x.device).spilled_bytes == 0
+    for scan in (scan_cuda.FORWARD, scan_cuda.BACKWARD):
+        assert scan_cuda.runs(scan, x, x, (x, x), True)
+        assert not scan_cuda.runs(scan, x.float(), x.float(), (x,), False)
+        assert not scan_cuda.runs(scan, x[..., :32], x, (x,), True)
+        assert not scan_cuda.runs(scan, x, x, (x, shifted), True)   # 2 bytes past an aligned start
+        assert scan.kernel(x.device).spilled_bytes == 0
 
 
 @gpu

@@ -1,0 +1,55 @@
+// Device helpers our CUDA kernels share (kernels/cuda_rtc.py hands this header to NVRTC as "tiles.cuh"): bf16 and
+// tf32 conversions, tf32 tensor-core products over accumulator tiles, sm_90's transposed tile stores, asynchronous
+// copies.
+#pragma once
+
+typedef unsigned short bf16;
+typedef long long i64;
+
+__device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
+// fp32 to tf32, rounded to nearest (ties away from zero) as cvt.rna does, in two integer operations (cvt.rna's own
+// sequence is four, with checks for values that do not occur here: NaN stays NaN, infinities stay)
+__device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ float tf32f(float x) { return __uint_as_float(tf32(x)); }
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Four 8x8 bf16 tiles, each held as accumulators are (row i / 4, columns 2 (i % 4) and + 1 in lane i's register),
+// stored transposed to shared memory: row c of tile m goes where lane 8m + c points (sm_90's stmatrix)
+__device__ __forceinline__ void store_transposed(const bf16* row_address, unsigned m0, unsigned m1, unsigned m2,
+                                                 unsigned m3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"((unsigned)__cvta_generic_to_shared(row_address)), "r"(m0), "r"(m1), "r"(m2), "r"(m3)
+                 : "memory");
+}
+
+// 16 bytes from global to shared memory, asynchronously; zeros where `valid` is false (src-size 0: nothing is read,
+// whatever the address)
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void copies_wait_all_but_last() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// d += a b: A 16x8 (row-major fragment a0..a3), B 8x8 (b.x, b.y), fp32 accumulators d0..d3. fp32 operands given
+// as such are read as tf32 (their low mantissa bits ignored), as Triton's tf32 products read them.
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], float2 b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(__float_as_uint(b.x)), "r"(__float_as_uint(b.y)));
+}
+
+// An accumulator tile (rows g, g+8; columns 2q, 2q+1) as an A operand over the same columns, permuted within the
+// group of 8 (logical column q is column 2q, q + 4 is 2q + 1)
+__device__ __forceinline__ void as_a(unsigned (&a)[4], const float (&c)[4]) {
+    a[0] = tf32(c[0]); a[1] = tf32(c[2]); a[2] = tf32(c[1]); a[3] = tf32(c[3]);
+}
+
+// The B operand for k-group j of that permuted order from a tile X[n][k] (row stride S): (X[n][2q], X[n][2q + 1])
+__device__ __forceinline__ float2 b_pair(const float* x, int n, int k, int S) {
+    return *reinterpret_cast<const float2*>(x + n * S + k);
+}
