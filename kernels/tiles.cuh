@@ -53,3 +53,24 @@ __device__ __forceinline__ void as_a(unsigned (&a)[4], const float (&c)[4]) {
 __device__ __forceinline__ float2 b_pair(const float* x, int n, int k, int S) {
     return *reinterpret_cast<const float2*>(x + n * S + k);
 }
+
+// Shared-memory layouts in which a warp's accesses hit every bank once (8-byte reads: each half-warp; 16-byte
+// accesses and stmatrix: each quarter-warp / 8 rows). A chunk holds 16 tokens, so the tiles below are for that.
+//
+// tile16: an fp32 tile of rows of 16 (a chunk's tokens, or keys of [16, 16] tiles), rows unpadded, the 16-byte
+// quarters of a row XOR-ed by 3 on every other pair of rows: b_pair's reads (8 rows x 8 columns), 16-byte copies
+// (2 rows) and the form steps' float4 stores (4 rows x 2 halves of a row) fall on 8 distinct 16-byte bank groups.
+__device__ __forceinline__ int tile16(int row, int col) {
+    return row * 16 + (((col >> 2) ^ (3 * ((row >> 1) & 1))) << 2) + (col & 3);
+}
+// token_major: an fp32 [16 tokens][S] tile (S = 8 mod 32: b_pair's reads hit every bank once) whose rows 8-15 have
+// their key halves swapped: the form steps' stores of tokens t and t + 8 (one key a lane) land on different banks.
+__device__ __forceinline__ int token_major(int t, int key, int S) { return t * S + (key ^ ((t & 8) << 1)); }
+// token_chunk: bf16 [16 tokens][64 keys] input tiles copied 16 bytes at a time: rows 8-15 have their key halves
+// swapped (chunk XOR 4), so that the form steps' reads of one key at tokens t and t + 8 land on different banks.
+__device__ __forceinline__ int token_chunk(int t, int key) { return t * 64 + (key ^ ((t & 8) << 2)); }
+// stage_at: bf16 staging tiles of 16 columns (32-byte rows), the 16-byte halves swapped every 4 rows: stmatrix's 8
+// rows and a quarter-warp's 16-byte reads (4 rows) each hit every bank once.
+__device__ __forceinline__ int stage_at(int row, int half) { return row * 16 + 8 * (half ^ ((row >> 2) & 1)); }
+// the B-operand pair at element i of a tile laid out as above
+__device__ __forceinline__ float2 pair_at(const float* x, int i) { return *reinterpret_cast<const float2*>(x + i); }

@@ -18,7 +18,6 @@
 #define TOK (BT / TPK)          // tokens each of them forms
 #define SW (KD + 8)             // row stride (floats) of token-major [BT, KD] tiles
 #define SA (BT + 8)             // row stride (floats) of [BT, BT] tiles
-#define SK (BT + 4)             // row stride (floats) of key-major [KD, BT] tiles
 #define SV (VC + 8)             // row stride (bf16) of the dO tile
 #define SH (16 + 4)             // row stride (floats) of a warp's dh staging tile [KD, 16]
 #define STAGES 3
@@ -28,17 +27,17 @@
 
 struct Inputs {                 // one chunk's inputs as they arrive (rows past the sequence's end: zeros)
     float w[KD * BT];           // [key][t]: the log decays by chunk
-    bf16 r[BT * KD], a[BT * KD], b[BT * KD];   // [t][key]
+    bf16 r[BT * KD], a[BT * KD], b[BT * KD];   // [t][key] (token_chunk)
     bf16 dO[BT * SV];           // [t][v] of the block's columns
-    float Arb[BT * SA], T[BT * SA];            // [t][s] as _fwd_prep stored them
+    float Arb[BT * BT], T[BT * BT];            // [t][s] as _fwd_prep stored them (tile16)
 };
 
 struct Formed {                 // rounded to tf32
     float ArbT[BT * SA];        // [s][t]: scale A_rb[t][s]
     float TT[BT * SA];          // [t][s]: T[s][t]
-    float Bend[BT * SW];        // [t][key]: b e^{gC - g}
-    float Rd[KD * SK];          // [key][t]: scale r e^{g}
-    float Ad[KD * SK];          // [key][t]: a e^{g - w}
+    float Bend[BT * SW];        // [t][key] (token_major): b e^{gC - g}
+    float Rd[KD * BT];          // [key][t] (tile16): scale r e^{g}
+    float Ad[KD * BT];          // [key][t] (tile16): a e^{g - w}
     float eC[KD];               // e^{gC}
 };
 
@@ -96,7 +95,8 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
                 const int e = p + i * PRODUCERS, which = e / (BT * KD / 8), t = e / (KD / 8) % BT, part = e % (KD / 8);
                 const bf16* from = which == 0 ? r : which == 1 ? a : b;
                 const bf16* to = which == 0 ? in0->r : which == 1 ? in0->a : in0->b;
-                add(from + ((i64)(t_last + t) * H + hh) * KD + 8 * part, BT * tok_k, to + t * KD + 8 * part, t);
+                add(from + ((i64)(t_last + t) * H + hh) * KD + 8 * part, BT * tok_k, to + token_chunk(t, 8 * part),
+                    t);
             }
 #pragma unroll
             for (int i = 0; i < BT * VC / 8 / PRODUCERS; i++) {          // dO
@@ -108,7 +108,7 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             for (int i = 0; i < 2 * BT * BT / 4 / PRODUCERS; i++) {      // A_rb, T
                 const int e = p + i * PRODUCERS, which = e / (BT * BT / 4), t = e / (BT / 4) % BT, part = e % (BT / 4);
                 add((which ? Tinv : Arb) + ((i64)(t_last + t) * H + hh) * BT + 4 * part,
-                    (i64)BT * H * BT * sizeof(float), (which ? in0->T : in0->Arb) + t * SA + 4 * part, t);
+                    (i64)BT * H * BT * sizeof(float), (which ? in0->T : in0->Arb) + tile16(t, 4 * part), t);
             }
         }
         auto copy = [&](int i) {   // iteration i's chunk: iterations in order, src steps back after each
@@ -133,13 +133,13 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             }
 #pragma unroll
             for (int j = 0; j < TOK; j++) {
-                rr[j] = in.r[(t0 + j) * KD + key];
-                aa[j] = in.a[(t0 + j) * KD + key];
-                bb[j] = in.b[(t0 + j) * KD + key];
+                rr[j] = in.r[token_chunk(t0 + j, key)];
+                aa[j] = in.a[token_chunk(t0 + j, key)];
+                bb[j] = in.b[token_chunk(t0 + j, key)];
             }
             // the transposes of A_rb (times scale; threads 0-63) and T (64-127): 4 elements of a row per thread
             const int which = p / (BT * BT / 4), e = 4 * (p % (BT * BT / 4)), tr = e / BT, sc = e % BT;
-            const float4 x = *reinterpret_cast<const float4*>((which ? in.T : in.Arb) + tr * SA + sc);
+            const float4 x = *reinterpret_cast<const float4*>((which ? in.T : in.Arb) + tile16(tr, sc));
             float g[TOK], run = 0.f;
 #pragma unroll
             for (int j = 0; j < TOK; j++) g[j] = run += w[j];
@@ -150,13 +150,20 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
                 total += part_sum;
                 if (j < part) before += part_sum;
             }
+            float rd[TOK], ad[TOK];
 #pragma unroll
             for (int j = 0; j < TOK; j++) {
-                const int t = t0 + j;
                 const float gj = g[j] + before;
-                f.Rd[key * SK + t] = tf32f(scale * bf2f(rr[j]) * __expf(gj));
-                f.Ad[key * SK + t] = tf32f(bf2f(aa[j]) * __expf(fminf(gj - w[j], 0.f)));
-                f.Bend[t * SW + key] = tf32f(bf2f(bb[j]) * __expf(fminf(total - gj, 0.f)));
+                rd[j] = tf32f(scale * bf2f(rr[j]) * __expf(gj));
+                ad[j] = tf32f(bf2f(aa[j]) * __expf(fminf(gj - w[j], 0.f)));
+                f.Bend[token_major(t0 + j, key, SW)] = tf32f(bf2f(bb[j]) * __expf(fminf(total - gj, 0.f)));
+            }
+#pragma unroll
+            for (int j = 0; j < TOK; j += 4) {
+                *reinterpret_cast<float4*>(f.Rd + tile16(key, t0 + j)) = make_float4(rd[j], rd[j + 1], rd[j + 2],
+                                                                                         rd[j + 3]);
+                *reinterpret_cast<float4*>(f.Ad + tile16(key, t0 + j)) = make_float4(ad[j], ad[j + 1], ad[j + 2],
+                                                                                         ad[j + 3]);
             }
             if (part == 0) f.eC[key] = __expf(total);
             float* to = which ? f.TT : f.ArbT;
@@ -238,7 +245,8 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
 #pragma unroll
             for (int pt = 0; pt < 2; pt++) mma(u[ps], da[pt], b_pair(f.ArbT, 8 * ps + g, 8 * pt + 2 * q, SA));
 #pragma unroll
-            for (int j = 0; j < KD / 8; j++) mma(u[ps], sa[j], b_pair(f.Bend, 8 * ps + g, 8 * j + 2 * q, SW));
+            for (int j = 0; j < KD / 8; j++)
+                mma(u[ps], sa[j], pair_at(f.Bend, token_major(8 * ps + g, 8 * j + 2 * q, SW)));
         }
         // dZ^T = dU^T T
         unsigned ua[2][4], za[2][4];
@@ -258,8 +266,8 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             st[j][0] *= e.x; st[j][1] *= e.y; st[j][2] *= e.x; st[j][3] *= e.y;
 #pragma unroll
             for (int p = 0; p < 2; p++) {
-                mma(st[j], da[p], b_pair(f.Rd, 8 * j + g, 8 * p + 2 * q, SK));
-                mma(st[j], za[p], b_pair(f.Ad, 8 * j + g, 8 * p + 2 * q, SK));
+                mma(st[j], da[p], pair_at(f.Rd, tile16(8 * j + g, 8 * p + 2 * q)));
+                mma(st[j], za[p], pair_at(f.Ad, tile16(8 * j + g, 8 * p + 2 * q)));
             }
         }
 
@@ -268,7 +276,7 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
         bf16* zt = reinterpret_cast<bf16*>(stage);
         {
             const int m = lane >> 3, c = lane & 7;
-            store_transposed(zt + (8 * (m >> 1) + c) * 16 + 8 * (m & 1), bf16x2(z[0][0], z[0][1]),
+            store_transposed(zt + stage_at(8 * (m >> 1) + c, m & 1), bf16x2(z[0][0], z[0][1]),
                              bf16x2(z[0][2], z[0][3]), bf16x2(z[1][0], z[1][1]), bf16x2(z[1][2], z[1][3]));
         }
         __syncwarp();
@@ -276,7 +284,7 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             const int row = lane >> 1, half = lane & 1, t = tok0 + row;
             if (t < eos)
                 *reinterpret_cast<uint4*>(dZ + ((i64)t * H + hh) * V + v_w + 8 * half) =
-                    *reinterpret_cast<const uint4*>(zt + row * 16 + 8 * half);
+                    *reinterpret_cast<const uint4*>(zt + stage_at(row, half));
         }
         __syncthreads();
     }

@@ -21,8 +21,6 @@
 #define TPK (PRODUCERS / KD)    // producer threads per key feature
 #define TOK (BT / TPK)          // tokens each of them prepares
 #define SW (KD + 8)             // row stride (floats) of token-major [BT, KD] tiles: conflict-free float2 reads
-#define SA (BT + 8)             // row stride (floats) of [BT, BT] tiles
-#define SK (BT + 4)             // row stride (floats) of key-major [KD, BT] tiles
 #define SU (VC + 4)             // row stride (floats) of the Uv tile
 #define SV (VC + 8)             // row stride (bf16) of the value tile
 #define STAGES 3                // chunks of inputs in shared memory: one consumed, one prepared, one arriving
@@ -32,24 +30,24 @@
 
 struct Inputs {                 // one chunk's inputs as they arrive (rows past the sequence's end: zeros)
     float w[KD * BT];           // [key][t]: the log decays (w by chunk: a chunk's tokens contiguous)
-    bf16 r[BT * KD], k[BT * KD], b[BT * KD];   // [t][key]
+    bf16 r[BT * KD], k[BT * KD], b[BT * KD];   // [t][key] (token_chunk)
     float W[BT * SW];           // [t][key]
-    float Arb[BT * SA], Ark[BT * SA];          // [t][s]
+    float Arb[BT * BT], Ark[BT * BT];          // [t][s] (tile16)
     float Uv[BT * SU];          // [t][v] of the block's columns
     bf16 V[BT * SV];            // [t][v] of the block's columns
 };
 
 struct Formed {                 // what the producers form of a chunk, rounded to tf32
-    float R[BT * SW];           // [t][key]: r e^{g}
-    float K[KD * SK];           // [key][t]: k e^{gC - g}
-    float B[KD * SK];           // [key][t]: b e^{gC - g}
+    float R[BT * SW];           // [t][key] (token_major): r e^{g}
+    float K[KD * BT];           // [key][t] (tile16): k e^{gC - g}
+    float B[KD * BT];           // [key][t] (tile16): b e^{gC - g}
     float eC[KD];               // e^{gC}
 };
 
 struct Shared {
     Inputs in[STAGES];
     Formed formed[2];
-    bf16 stage[CONSUMERS / 32][KD * 16];   // a consumer warp's staging tile for its coalesced stores
+    bf16 stage[CONSUMERS / 32][KD * 16];   // a consumer warp's staging tile for its coalesced stores (stage_at)
 };
 static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda.shared_bytes() is not the size of Shared");
 
@@ -100,7 +98,7 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
                 const int e = p + i * PRODUCERS, which = e / (BT * KD / 8), t = e / (KD / 8) % BT, part = e % (KD / 8);
                 const bf16* from = which == 0 ? r : which == 1 ? k : b;
                 const bf16* to = which == 0 ? in0->r : which == 1 ? in0->k : in0->b;
-                add(from + ((i64)(bos + t) * H + hh) * KD + 8 * part, BT * tok_k, to + t * KD + 8 * part, t);
+                add(from + ((i64)(bos + t) * H + hh) * KD + 8 * part, BT * tok_k, to + token_chunk(t, 8 * part), t);
             }
 #pragma unroll
             for (int i = 0; i < BT * KD / 4 / PRODUCERS; i++) {          // W
@@ -111,7 +109,7 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             for (int i = 0; i < 2 * BT * BT / 4 / PRODUCERS; i++) {      // A_rb, A_rk
                 const int e = p + i * PRODUCERS, which = e / (BT * BT / 4), t = e / (BT / 4) % BT, part = e % (BT / 4);
                 add((which ? Ark : Arb) + ((i64)(bos + t) * H + hh) * BT + 4 * part, (i64)BT * H * BT * sizeof(float),
-                    (which ? in0->Ark : in0->Arb) + t * SA + 4 * part, t);
+                    (which ? in0->Ark : in0->Arb) + tile16(t, 4 * part), t);
             }
 #pragma unroll
             for (int i = 0; i < BT * VC / 4 / PRODUCERS; i++) {          // Uv
@@ -151,9 +149,9 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             }
 #pragma unroll
             for (int i = 0; i < TOK; i++) {
-                rr[i] = in.r[(t0 + i) * KD + key];
-                kk[i] = in.k[(t0 + i) * KD + key];
-                bb[i] = in.b[(t0 + i) * KD + key];
+                rr[i] = in.r[token_chunk(t0 + i, key)];
+                kk[i] = in.k[token_chunk(t0 + i, key)];
+                bb[i] = in.b[token_chunk(t0 + i, key)];
             }
             float g[TOK], run = 0.f;
 #pragma unroll
@@ -165,13 +163,20 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
                 total += part_sum;
                 if (j < part) before += part_sum;
             }
+            float ke[TOK], be[TOK];
 #pragma unroll
             for (int i = 0; i < TOK; i++) {
-                const int t = t0 + i;
                 const float gi = g[i] + before, to_end = __expf(fminf(total - gi, 0.f));
-                f.R[t * SW + key] = tf32f(bf2f(rr[i]) * __expf(gi));
-                f.K[key * SK + t] = tf32f(bf2f(kk[i]) * to_end);
-                f.B[key * SK + t] = tf32f(bf2f(bb[i]) * to_end);
+                f.R[token_major(t0 + i, key, SW)] = tf32f(bf2f(rr[i]) * __expf(gi));
+                ke[i] = tf32f(bf2f(kk[i]) * to_end);
+                be[i] = tf32f(bf2f(bb[i]) * to_end);
+            }
+#pragma unroll
+            for (int i = 0; i < TOK; i += 4) {
+                *reinterpret_cast<float4*>(f.K + tile16(key, t0 + i)) = make_float4(ke[i], ke[i + 1], ke[i + 2],
+                                                                                        ke[i + 3]);
+                *reinterpret_cast<float4*>(f.B + tile16(key, t0 + i)) = make_float4(be[i], be[i + 1], be[i + 2],
+                                                                                        be[i + 3]);
             }
             if (part == 0) f.eC[key] = __expf(total);
         };
@@ -220,7 +225,7 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             const int m = lane >> 3, c = lane & 7;
 #pragma unroll
             for (int i = 0; i < KD / 16; i++)
-                store_transposed(stage + (8 * (2 * i + (m >> 1)) + c) * 16 + 8 * (m & 1),
+                store_transposed(stage + stage_at(8 * (2 * i + (m >> 1)) + c, m & 1),
                                  bf16x2(st[2 * i][0], st[2 * i][1]), bf16x2(st[2 * i][2], st[2 * i][3]),
                                  bf16x2(st[2 * i + 1][0], st[2 * i + 1][1]),
                                  bf16x2(st[2 * i + 1][2], st[2 * i + 1][3]));
@@ -232,7 +237,7 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             for (int i = 0; i < KD * 2 / 32; i++) {
                 const int row = (i * 32 + lane) >> 1, half = lane & 1;
                 *reinterpret_cast<uint4*>(dst + (i64)row * V + 8 * half) =
-                    *reinterpret_cast<const uint4*>(stage + row * 16 + 8 * half);
+                    *reinterpret_cast<const uint4*>(stage + stage_at(row, half));
             }
         }
 
@@ -251,7 +256,7 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
 #pragma unroll
             for (int j = 0; j < KD / 8; j++) {
                 mma(u[p], sa[j], b_pair(in.W, 8 * p + g, 8 * j + 2 * q, SW));
-                mma(ot[p], sa[j], b_pair(f.R, 8 * p + g, 8 * j + 2 * q, SW));
+                mma(ot[p], sa[j], pair_at(f.R, token_major(8 * p + g, 8 * j + 2 * q, SW)));
             }
         unsigned ua[2][4], va[2][4];
 #pragma unroll
@@ -268,8 +273,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
         for (int pt = 0; pt < 2; pt++)
 #pragma unroll
             for (int ps = 0; ps < 2; ps++) {
-                mma(ot[pt], ua[ps], b_pair(in.Arb, 8 * pt + g, 8 * ps + 2 * q, SA));
-                mma(ot[pt], va[ps], b_pair(in.Ark, 8 * pt + g, 8 * ps + 2 * q, SA));
+                mma(ot[pt], ua[ps], pair_at(in.Arb, tile16(8 * pt + g, 8 * ps + 2 * q)));
+                mma(ot[pt], va[ps], pair_at(in.Ark, tile16(8 * pt + g, 8 * ps + 2 * q)));
             }
         // ST <- e^{gC} ST + V^T (k e^{gC-g}) + U^T (b e^{gC-g})
 #pragma unroll
@@ -278,8 +283,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             st[j][0] *= e.x; st[j][1] *= e.y; st[j][2] *= e.x; st[j][3] *= e.y;
 #pragma unroll
             for (int ps = 0; ps < 2; ps++) {
-                mma(st[j], va[ps], b_pair(f.K, 8 * j + g, 8 * ps + 2 * q, SK));
-                mma(st[j], ua[ps], b_pair(f.B, 8 * j + g, 8 * ps + 2 * q, SK));
+                mma(st[j], va[ps], pair_at(f.K, tile16(8 * j + g, 8 * ps + 2 * q)));
+                mma(st[j], ua[ps], pair_at(f.B, tile16(8 * j + g, 8 * ps + 2 * q)));
             }
         }
 
@@ -287,10 +292,10 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
         // (values g + 8 half, tokens 8p ..) lands transposed at rows 8p .., columns 8 half ..
         __syncwarp();
         {
-            const int m = lane >> 3, c = lane & 7, at = (8 * (m >> 1) + c) * 16 + 8 * (m & 1);
-            store_transposed(stage + at, bf16x2(u[0][0], u[0][1]), bf16x2(u[0][2], u[0][3]),
+            const int m = lane >> 3, c = lane & 7, row = 8 * (m >> 1) + c;
+            store_transposed(stage + stage_at(row, m & 1), bf16x2(u[0][0], u[0][1]), bf16x2(u[0][2], u[0][3]),
                              bf16x2(u[1][0], u[1][1]), bf16x2(u[1][2], u[1][3]));
-            store_transposed(stage + BT * 16 + at, bf16x2(ot[0][0] * scale, ot[0][1] * scale),
+            store_transposed(stage + stage_at(BT + row, m & 1), bf16x2(ot[0][0] * scale, ot[0][1] * scale),
                              bf16x2(ot[0][2] * scale, ot[0][3] * scale), bf16x2(ot[1][0] * scale, ot[1][1] * scale),
                              bf16x2(ot[1][2] * scale, ot[1][3] * scale));
         }
@@ -299,9 +304,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             const int row = lane >> 1, half = lane & 1, t = tok0 + row;
             if (t < eos) {
                 const i64 off = ((i64)t * H + hh) * V + v_w + 8 * half;
-                *reinterpret_cast<uint4*>(U + off) = *reinterpret_cast<const uint4*>(stage + row * 16 + 8 * half);
-                *reinterpret_cast<uint4*>(o + off) =
-                    *reinterpret_cast<const uint4*>(stage + (BT + row) * 16 + 8 * half);
+                *reinterpret_cast<uint4*>(U + off) = *reinterpret_cast<const uint4*>(stage + stage_at(row, half));
+                *reinterpret_cast<uint4*>(o + off) = *reinterpret_cast<const uint4*>(stage + stage_at(BT + row, half));
             }
         }
         __syncthreads();

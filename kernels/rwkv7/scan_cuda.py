@@ -50,13 +50,13 @@ def _inputs_and_formed(forward: bool) -> tuple[int, int, int]:
     """Bytes of a chunk's Inputs and Formed and of the consumers' staging tiles (the structs of scan.cu and
     bwd_scan.cu)."""
     w, rows3 = 4 * KD * BT, 3 * 2 * BT * KD            # w by chunk; three bf16 [t][key] tiles
-    tile = 4 * BT * (BT + 8)                           # an fp32 [BT, BT] tile
-    token_major, key_major = 4 * BT * (KD + 8), 4 * KD * (BT + 4)
+    tile, tile16 = 4 * BT * (BT + 8), 4 * BT * BT      # fp32 [BT, BT] tiles: padded rows; tile16's
+    token_major, key_major = 4 * BT * (KD + 8), 4 * KD * BT
     if forward:   # + W, A_rb, A_rk, Uv, v | R, K, B, eC | bf16 [KD, 16] a warp
-        inputs = w + rows3 + token_major + 2 * tile + 4 * BT * (VC + 4) + 2 * BT * (VC + 8)
+        inputs = w + rows3 + token_major + 2 * tile16 + 4 * BT * (VC + 4) + 2 * BT * (VC + 8)
         return inputs, token_major + 2 * key_major + 4 * KD, 4 * KD * 16 * 2
     # + dO, A_rb, T | A_rb^T, T^T, b e^{gC-g}, r e^g, a e^{g-w}, eC | fp32 [KD, 20] a warp
-    inputs = w + rows3 + 2 * BT * (VC + 8) + 2 * tile
+    inputs = w + rows3 + 2 * BT * (VC + 8) + 2 * tile16
     return inputs, 2 * tile + token_major + 2 * key_major + 4 * KD, 4 * KD * 20 * 4
 
 
