@@ -10,7 +10,9 @@
 //   operands are read from shared memory in the same permuted order.
 // - 4 producer warps copy each chunk's inputs to shared memory two chunks ahead (cp.async, a ring of 3) and form
 //   from them, one chunk ahead, what the consumers read besides (r e^g, k and b e^{gC-g}, e^{gC}; double buffered).
-// One block-wide barrier a chunk. Every exp() argument is <= 0 (g <= 0, gC - g clamped to <= 0).
+// One block-wide barrier a chunk. Every exp() argument is <= 0 (g <= 0, gC - g clamped to <= 0). Shared memory bounds
+// the step (all operands pass through it, two blocks share an SM), so every tile is laid out for conflict-free
+// accesses (tiles.cuh: tile16, token_major, token_chunk, stage_at).
 
 #define KD 64                   // the key head size (scan_cuda.KD): the copies' and tiles' counts are for it alone
 #define BT 16

@@ -50,7 +50,7 @@ def _inputs_and_formed(forward: bool) -> tuple[int, int, int]:
     """Bytes of a chunk's Inputs and Formed and of the consumers' staging tiles (the structs of scan.cu and
     bwd_scan.cu)."""
     w, rows3 = 4 * KD * BT, 3 * 2 * BT * KD            # w by chunk; three bf16 [t][key] tiles
-    tile, tile16 = 4 * BT * (BT + 8), 4 * BT * BT      # fp32 [BT, BT] tiles: padded rows; tile16's
+    tile, tile16 = 4 * BT * (BT + 8), 4 * BT * BT      # fp32 [BT, BT] tiles: rows padded; tiles.cuh's tile16
     token_major, key_major = 4 * BT * (KD + 8), 4 * KD * BT
     if forward:   # + W, A_rb, A_rk, Uv, v | R, K, B, eC | bf16 [KD, 16] a warp
         inputs = w + rows3 + token_major + 2 * tile16 + 4 * BT * (VC + 4) + 2 * BT * (VC + 8)
