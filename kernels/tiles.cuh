@@ -74,3 +74,47 @@ __device__ __forceinline__ int token_chunk(int t, int key) { return t * 64 + (ke
 __device__ __forceinline__ int stage_at(int row, int half) { return row * 16 + 8 * (half ^ ((row >> 2) & 1)); }
 // the B-operand pair at element i of a tile laid out as above
 __device__ __forceinline__ float2 pair_at(const float* x, int i) { return *reinterpret_cast<const float2*>(x + i); }
+
+// ---- pieces of the scans' two roles (scan.cu, bwd_scan.cu), for blocks of `producers` + 128 consumer threads
+
+// The producers' pipeline over `count` iterations: iteration i's inputs copied two ahead (copy(i) into a ring of 3),
+// its operands formed one ahead (form(i)), a block-wide barrier each iteration as the consumers' loop has one. A
+// copy lands in the stage the consumers finished with at the last barrier; form(i + 1) waits for this thread's copies
+// of it (wait_group 1) and every producer's (the producers' barrier).
+template <int producers, class Copy, class Form>
+__device__ __forceinline__ void produce(int count, Copy copy, Form form) {
+    if (count > 0) copy(0);
+    copies_commit();
+    if (count > 1) copy(1);
+    copies_commit();
+    copies_wait_all_but_last();
+    asm volatile("bar.sync 1, %0;" :: "n"(producers) : "memory");
+    if (count > 0) form(0);
+    __syncthreads();
+    for (int i = 0; i < count; i++) {
+        if (i + 2 < count) copy(i + 2);
+        copies_commit();
+        copies_wait_all_but_last();
+        asm volatile("bar.sync 1, %0;" :: "n"(producers) : "memory");
+        if (i + 1 < count) form(i + 1);
+        __syncthreads();
+    }
+}
+
+// A form step's cumulative log decays over a key's chunk, tok tokens a thread and tpk adjacent lanes a key (lane
+// part holds tokens tok * part ..): g the sums within the thread's tokens, before the sum of the parts before its
+// own, total the chunk's.
+template <int tok, int tpk>
+__device__ __forceinline__ void chunk_sums(const float (&w)[tok], float (&g)[tok], float& before, float& total,
+                                           int lane, int part) {
+    float run = 0.f;
+#pragma unroll
+    for (int i = 0; i < tok; i++) g[i] = run += w[i];
+    before = 0.f, total = 0.f;
+#pragma unroll
+    for (int j = 0; j < tpk; j++) {
+        const float part_sum = __shfl_sync(0xffffffffu, run, (lane & ~(tpk - 1)) + j);
+        total += part_sum;
+        if (j < part) before += part_sum;
+    }
+}

@@ -46,9 +46,7 @@ struct Shared {
     Formed formed[2];
     float stage[CONSUMERS / 32][KD * SH];   // a consumer warp's staging tile: dh [key][v], then dZ (bf16 [t][v])
 };
-static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda.bwd_shared_bytes() is not the size of Shared");
-
-__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(PRODUCERS) : "memory"); }
+static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda's shared_bytes is not the size of Shared");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, const bf16* __restrict__ a,
@@ -140,16 +138,8 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             // the transposes of A_rb (times scale; threads 0-63) and T (64-127): 4 elements of a row per thread
             const int which = p / (BT * BT / 4), e = 4 * (p % (BT * BT / 4)), tr = e / BT, sc = e % BT;
             const float4 x = *reinterpret_cast<const float4*>((which ? in.T : in.Arb) + tile16(tr, sc));
-            float g[TOK], run = 0.f;
-#pragma unroll
-            for (int j = 0; j < TOK; j++) g[j] = run += w[j];
-            float before = 0.f, total = 0.f;
-#pragma unroll
-            for (int j = 0; j < TPK; j++) {
-                const float part_sum = __shfl_sync(0xffffffffu, run, (lane & ~(TPK - 1)) + j);
-                total += part_sum;
-                if (j < part) before += part_sum;
-            }
+            float g[TOK], before, total;
+            chunk_sums<TOK, TPK>(w, g, before, total, lane, part);
             float rd[TOK], ad[TOK];
 #pragma unroll
             for (int j = 0; j < TOK; j++) {
@@ -172,22 +162,7 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             to[(sc + 2) * SA + tr] = tf32f(by * x.z); to[(sc + 3) * SA + tr] = tf32f(by * x.w);
         };
 
-        if (count > 0) copy(0);
-        copies_commit();
-        if (count > 1) copy(1);
-        copies_commit();
-        copies_wait_all_but_last();
-        producers_sync();
-        if (count > 0) form(0);
-        __syncthreads();
-        for (int i = 0; i < count; i++) {
-            if (i + 2 < count) copy(i + 2);
-            copies_commit();
-            copies_wait_all_but_last();
-            producers_sync();
-            if (i + 1 < count) form(i + 1);
-            __syncthreads();
-        }
+        produce<PRODUCERS>(count, copy, form);
         return;
     }
 

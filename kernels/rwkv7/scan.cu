@@ -51,9 +51,7 @@ struct Shared {
     Formed formed[2];
     bf16 stage[CONSUMERS / 32][KD * 16];   // a consumer warp's staging tile for its coalesced stores (stage_at)
 };
-static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda.shared_bytes() is not the size of Shared");
-
-__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(PRODUCERS) : "memory"); }
+static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda's shared_bytes is not the size of Shared");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, const bf16* __restrict__ k,
@@ -155,16 +153,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
                 kk[i] = in.k[token_chunk(t0 + i, key)];
                 bb[i] = in.b[token_chunk(t0 + i, key)];
             }
-            float g[TOK], run = 0.f;
-#pragma unroll
-            for (int i = 0; i < TOK; i++) g[i] = run += w[i];
-            float before = 0.f, total = 0.f;
-#pragma unroll
-            for (int j = 0; j < TPK; j++) {
-                const float part_sum = __shfl_sync(0xffffffffu, run, (lane & ~(TPK - 1)) + j);
-                total += part_sum;
-                if (j < part) before += part_sum;
-            }
+            float g[TOK], before, total;
+            chunk_sums<TOK, TPK>(w, g, before, total, lane, part);
             float ke[TOK], be[TOK];
 #pragma unroll
             for (int i = 0; i < TOK; i++) {
@@ -183,22 +173,7 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             if (part == 0) f.eC[key] = __expf(total);
         };
 
-        if (count > 0) copy(0);
-        copies_commit();
-        if (count > 1) copy(1);
-        copies_commit();
-        copies_wait_all_but_last();
-        producers_sync();
-        if (count > 0) form(0);
-        __syncthreads();
-        for (int c = 0; c < count; c++) {
-            if (c + 2 < count) copy(c + 2);   // into the stage the consumers finished with at the last barrier
-            copies_commit();
-            copies_wait_all_but_last();       // this thread's copies of chunk c + 1 have landed
-            producers_sync();                 // and every producer's
-            if (c + 1 < count) form(c + 1);
-            __syncthreads();
-        }
+        produce<PRODUCERS>(count, copy, form);
         return;
     }
 
