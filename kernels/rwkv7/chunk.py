@@ -235,6 +235,18 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
     C = NT // N if seq_len else 0   # chunks per sequence (equal rows)
     L = max(1, s.bwd_dh_chunks // N)
     cuda = blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.BACKWARD, r, v, (r, a, b, do), s.bf16(r))
+
+    def sequence_scan(dS_end, dh, dS_start, first, count, segment):
+        """_bwd_scan's sequence role (in CUDA where it runs): dh and dZ from dS at the sequences' (or segments') ends,
+        dS at their starts to dS_start where given."""
+        if cuda:
+            scan_cuda.bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dS_end, dh, dZ, dS_start, scale, TT,
+                               first, count, segment)
+        else:
+            launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS_start, None, scale,
+                   TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=segment, HAS_DHT=dS_end is not None,
+                   STORE_DH0=dS_start is not None, num_warps=s.scan_warps, **scan)
+
     if blocks is None and s.bwd_dh_chunks and L < C:
         # segments of L chunks of every sequence, the last first: dh holds one segment's chunk ends, the gradient
         # dS carried from segment to segment in dS (read at a segment's end, written at its start)
@@ -243,25 +255,13 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
         for first in reversed(range(0, C, L)):
             count = min(L, C - first)
             dS_end = dS if first + count < C else dht
-            if cuda:
-                scan_cuda.bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dS_end, dh, dZ, dS, scale, TT,
-                                   first, count, True)
-            else:
-                launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS, None,
-                       scale, TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=True,
-                       HAS_DHT=dS_end is not None, STORE_DH0=True, num_warps=s.scan_warps, **scan)
+            sequence_scan(dS_end, dh, dS, first, count, True)
             launch(_bwd_chunk, (N * count, H), *ops, dh, *grads, first, count, C, **per_chunk)
         return dr, dw, dk, dv, da, db, dS if h0 is not None else None
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     if blocks is None:
         dh = torch.empty(NT, H, K, V, **f32)
-        if cuda:
-            scan_cuda.bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale, TT, 0, 0,
-                               False)
-        else:
-            launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dht, dh, dZ, dh0, None, scale, TT,
-                   0, 0, BV=BV, BLOCKED=False, OUT=True, SEGMENT=False, HAS_DHT=dht is not None,
-                   STORE_DH0=h0 is not None, num_warps=s.scan_warps, **scan)
+        sequence_scan(dht, dh, dh0, 0, 0, False)
         launch(_bwd_chunk, (NT, H), *ops, dh, *grads, 0, NT, 0, **per_chunk)
     else:
         block_offsets, block_index, NB = blocks
