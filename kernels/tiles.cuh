@@ -118,3 +118,47 @@ __device__ __forceinline__ void chunk_sums(const float (&w)[tok], float (&g)[tok
         if (j < part) before += part_sum;
     }
 }
+
+// ---- bf16 tensor-core products from tiles in shared memory (prep.cu)
+
+// ldmatrix: four 8x8 bf16 tiles, row c of tile m at the address lane 8m + c gives; the _t form transposed
+__device__ __forceinline__ void load_tiles(unsigned (&m)[4], const bf16* row_address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row_address)));
+}
+__device__ __forceinline__ void load_tiles_t(unsigned (&m)[4], const bf16* row_address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row_address)));
+}
+// d += a b: A 16x16 (a[0..3], rows g and g + 8, columns 2q, 2q + 1 and + 8), B 16x8 (b0, b1), bf16; fp32 accumulators
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// The A operand of rows r0 .. r0 + 15, columns c0 .. c0 + 15 of a bf16 tile of row stride S
+__device__ __forceinline__ void a_tile(unsigned (&a)[4], const bf16* X, int S, int r0, int c0, int lane) {
+    load_tiles(a, X + (r0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S + c0 + 8 * (lane >> 4));
+}
+// The B operands of n-tiles (rows n0 .. n0 + 7 and n0 + 8 ..) over the summed columns c0 .. c0 + 15 of a tile
+// stored [n][k] (b[0], b[1] for the first n-tile, b[2], b[3] for the second)
+__device__ __forceinline__ void b_tiles(unsigned (&b)[4], const bf16* Y, int S, int n0, int c0, int lane) {
+    load_tiles(b, Y + (n0 + (lane & 7) + 8 * (lane >> 4)) * S + c0 + 8 * ((lane >> 3) & 1));
+}
+// The same from a tile stored [k][n]: rows k0 .. k0 + 15 summed, columns n0 .. n0 + 15 the two n-tiles
+__device__ __forceinline__ void b_tiles_t(unsigned (&b)[4], const bf16* Y, int S, int k0, int n0, int lane) {
+    load_tiles_t(b, Y + (k0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * S + n0 + 8 * (lane >> 4));
+}
+
+// A chunk's 16 token rows of 64 bf16 columns (row i at src + i stride) into a bf16 tile of row stride S, 16 bytes a
+// copy over `threads` threads (thread index tid); rows from `rows` on read as zeros
+template <int threads, int S>
+__device__ __forceinline__ void copy_rows(bf16* dst, const bf16* src, i64 stride, int rows, int tid) {
+#pragma unroll
+    for (int j = 0; j < 16 * 8 / threads; j++) {
+        const int e = tid + threads * j, t = e / 8, part = e % 8;
+        copy16(dst + t * S + 8 * part, src + t * stride + 8 * part, t < rows);
+    }
+}

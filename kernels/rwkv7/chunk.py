@@ -64,6 +64,11 @@ class Settings:
     tensor-core registers for the whole sequence) where scan_cuda.runs says they take the call (bf16, K = 64, V a
     multiple of 64, sm_90 or later); the Triton scans elsewhere and with False. Same inputs, outputs and products
     (tf32 operands, fp32 accumulation)."""
+    cuda_prep: bool = True
+    """The forward's per-chunk work in CUDA (prep.cu: a warp a chunk, three blocks of 4 an SM) where scan_cuda.runs
+    says it takes the call (bf16, K = 64, V a multiple of 64, sm_90 or later) and the decay comes from its logits
+    (w_bias); the Triton _fwd_prep elsewhere and with False. Same outputs (bf16 mma products of the same bf16
+    factors, fp32 accumulation; T in fp32 FMAs)."""
     prep_warps: int = 4
     """Warps of _fwd_prep."""
     prep_maxnreg: int | None = 168
@@ -137,6 +142,11 @@ def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
     # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
     TT = NT * BT
     wf = torch.empty(H, K, TT, **f32)
+    if (s.cuda_prep and w_bias is not None and w.dtype == torch.bfloat16 and w_bias.dtype == torch.float32
+            and scan_cuda.runs(scan_cuda.PREP, r, v, (r, w, k, v, a, b, w_bias), s.bf16(r))):
+        scan_cuda.fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, DECAY_SCALE,
+                           TT, NT)
+        return W, Uv, Arb, Ark, Aak, Tinv, wf
     launch(_fwd_prep, (NT, H), r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
            DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
            LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps,

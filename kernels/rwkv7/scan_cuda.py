@@ -1,7 +1,8 @@
-"""The sequence scans in CUDA (compiled at run time by kernels.cuda_rtc): the forward's (scan.cu, the Triton
-`_fwd_scan`'s sequence role) and the backward's (bwd_scan.cu, `_bwd_scan`'s), for what the 0.6B layers run (bf16
-inputs, key heads of 64, V a multiple of 64). `chunk._fwd` and `chunk._bwd` take them where `runs(...)` says so and the
-Triton scans elsewhere; each reads and writes the tensors its Triton scan does."""
+"""RWKV-7's CUDA kernels (compiled at run time by kernels.cuda_rtc): the forward's sequence scan (scan.cu, the Triton
+`_fwd_scan`'s sequence role), the backward's (bwd_scan.cu, `_bwd_scan`'s) and the forward's per-chunk preparation
+(prep.cu, `_fwd_prep`'s work), for what the 0.6B layers run (bf16 inputs, key heads of 64, V a multiple of 64).
+`chunk._prep`, `chunk._fwd` and `chunk._bwd` take them where `runs(...)` says so and the Triton kernels elsewhere; each
+reads and writes the tensors its Triton kernel does."""
 
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ BT, VC = 16, 64
 
 @dataclass(frozen=True)
 class Scan:
-    """One of the two kernels: its source file, its name (flame_ marks our CUDA kernels in profiles:
-    flame.profiling.device_kind) and the shared memory a block takes (its Shared, which the build checks)."""
+    """One of the CUDA kernels: its source file, its name (flame_ marks our CUDA kernels in profiles:
+    flame.profiling.device_kind), the shared memory a block takes (its Shared, which the build checks), its threads a
+    block, the blocks an SM it is built to hold (its registers and shared memory allow them) and the stack bytes its
+    build may spill (the build test checks all three)."""
     file: str
     name: str
     shared_bytes: int
+    threads: int = 256
+    blocks: int = 2
+    spill_bytes: int = 0
 
     def source(self) -> str:
         return (Path(__file__).parent / self.file).read_text()
@@ -68,6 +74,21 @@ def _shared_bytes(forward: bool) -> int:
 FORWARD = Scan("scan.cu", "flame_rwkv7_fwd_scan", _shared_bytes(True))
 BACKWARD = Scan("bwd_scan.cu", "flame_rwkv7_bwd_scan", _shared_bytes(False))
 
+PREP_WARPS = 4
+"""Chunks (one a warp) a block of prep.cu."""
+
+
+def _prep_shared_bytes() -> int:
+    """prep.cu's Shared: per warp r, k, a, b (bf16 [BT, KD + 8]), v (bf16 [BT, VC + 8]) and a level's two factor
+    tiles (bf16 [BT, KD + 8]), whose place T, the powers of A_ab and the B operands (fp32) take after the levels."""
+    x, v = 4 * 2 * BT * (KD + 8), 2 * BT * (VC + 8)
+    formed = max(2 * 2 * BT * (KD + 8), 2 * 4 * BT * (BT + 4) + 4 * BT * (KD + 8))
+    return PREP_WARPS * (x + v + formed)
+
+
+# three blocks an SM: ptxas keeps a dozen values on the stack, stored and loaded once a chunk
+PREP = Scan("prep.cu", "flame_rwkv7_fwd_prep", _prep_shared_bytes(), threads=32 * PREP_WARPS, blocks=3, spill_bytes=64)
+
 
 @functools.lru_cache(maxsize=None)
 def _kernel(scan: Scan, index: int) -> cuda_rtc.Kernel | None:
@@ -77,13 +98,13 @@ def _kernel(scan: Scan, index: int) -> cuda_rtc.Kernel | None:
     try:
         return cuda_rtc.compile_kernel(scan.source(), scan.name, torch.device("cuda", index), scan.defines())
     except RuntimeError as e:
-        warnings.warn(f"RWKV-7's CUDA scan {scan.name} is not available here, the Triton scan runs instead: {e}",
+        warnings.warn(f"RWKV-7's CUDA kernel {scan.name} is not available here, its Triton kernel runs instead: {e}",
                       stacklevel=2)
         return None
 
 
 def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, bf16_kept: bool) -> bool:
-    """Whether a CUDA scan takes a call: bf16 inputs (the chunk states, U and dZ kept in bf16), `tensors` (the
+    """Whether a CUDA kernel takes a call: bf16 inputs (the chunk states, U and dZ kept in bf16), `tensors` (the
     caller's, which it copies 16 bytes at a time) 16-byte aligned, K = 64, V a multiple of 64 (the block's columns),
     on a Hopper GPU or later (sm_90's stmatrix) where the kernel compiles."""
     if not (r.is_cuda and r.dtype == v.dtype == torch.bfloat16 and bf16_kept and r.shape[-1] == KD
@@ -96,7 +117,7 @@ def fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht
     """The sequence scan over every sequence of cu: o, h, U (and ht where given) from the state h0 (or zero)."""
     N, H, V = cu.numel() - 1, r.shape[2], v.shape[-1]
     FORWARD.kernel(r.device).launch(
-        (N, H, V // VC), 256, FORWARD.shared_bytes, r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0,
+        (N, H, V // VC), FORWARD.threads, FORWARD.shared_bytes, r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0,
         o, h, U, ht, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", int(h0 is not None)),
         ("i32", int(ht is not None)))
 
@@ -107,6 +128,17 @@ def bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, sc
     `_bwd_scan` numbers them) and dZ from dht (or zero), the gradient at the start to dh0 where given."""
     N, H, V = cu.numel() - 1, r.shape[2], do.shape[-1]
     BACKWARD.kernel(r.device).launch(
-        (N, H, V // VC), 256, BACKWARD.shared_bytes, r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ,
-        dh0, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", seg_first), ("i32", seg_count),
+        (N, H, V // VC), BACKWARD.threads, BACKWARD.shared_bytes, r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht,
+        dh, dZ, dh0, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", seg_first), ("i32", seg_count),
         ("i32", int(segment)), ("i32", int(dht is not None)), ("i32", int(dh0 is not None)))
+
+
+def fwd_prep(r, z, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, decay_scale: float, TT: int,
+             NT: int) -> None:
+    """_fwd_prep's work for the decay from its logits z (bf16) and bias w_bias (fp32 [H * K]): W, Uv, A_rb, A_rk,
+    A_ak (bf16), T and w by chunk, for all NT chunks."""
+    H, V = r.shape[2], v.shape[-1]
+    PREP.kernel(r.device).launch(
+        ((NT + PREP_WARPS - 1) // PREP_WARPS, H, 1), PREP.threads, PREP.shared_bytes, r, z, w_bias, k, v, a, b,
+        cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, ("f32", decay_scale), ("i32", H), ("i32", V), ("i32", TT),
+        ("i32", NT))
