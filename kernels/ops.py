@@ -45,7 +45,8 @@ class Op:
 
 def rwkv7_inputs(B, T, H, K, V, device="cuda"):
     """As the RWKV-7 layer makes them: a = -kk, b = kk * rate (kk unit-norm); the decay's logits z less their bias
-    (bf16, x's dtype) and the bias w0 (fp32 [H * K], a parameter): the log decay -e^-0.5 sigmoid(z + w0)."""
+    (bf16, x's dtype) and the bias w0 ([H * K], a parameter: bf16 as FSDP's mixed precision gives it to the training
+    forward): the log decay -e^-0.5 sigmoid(z + w0)."""
     torch.manual_seed(0)
     dt = torch.bfloat16
     r, k = (torch.randn(B, T, H, K, device=device, dtype=dt) for _ in range(2))
@@ -53,7 +54,7 @@ def rwkv7_inputs(B, T, H, K, V, device="cuda"):
     kk = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
     rate = torch.rand(B, T, H, K, device=device)
     z = torch.randn(B, T, H, K, device=device, dtype=dt)
-    w0 = torch.randn(H * K, device=device)
+    w0 = torch.randn(H * K, device=device, dtype=dt)
     return [r, z, k, v, (-kk).to(dt), (kk * rate).to(dt), w0]
 
 

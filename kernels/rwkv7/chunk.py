@@ -142,10 +142,11 @@ def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
     # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
     TT = NT * BT
     wf = torch.empty(H, K, TT, **f32)
-    if (s.cuda_prep and w_bias is not None and w.dtype == torch.bfloat16 and w_bias.dtype == torch.float32
-            and scan_cuda.runs(scan_cuda.PREP, r, v, (r, w, k, v, a, b, w_bias), s.bf16(r))):
-        scan_cuda.fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, DECAY_SCALE,
-                           TT, NT)
+    if (s.cuda_prep and w_bias is not None and w.dtype == torch.bfloat16
+            and scan_cuda.runs(scan_cuda.PREP, r, v, (r, w, k, v, a, b), s.bf16(r))):
+        # the bias in fp32 (a bf16 parameter under FSDP's mixed precision: exact, as _fwd_prep's load)
+        scan_cuda.fwd_prep(r, w, w_bias.float().contiguous(), k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
+                           wf, DECAY_SCALE, TT, NT)
         return W, Uv, Arb, Ark, Aak, Tinv, wf
     launch(_fwd_prep, (NT, H), r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
            DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),

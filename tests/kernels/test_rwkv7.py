@@ -416,6 +416,26 @@ def test_gpu_cuda_kernels_run_where_built_for():
 
 
 @gpu
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("keep_chunk_tensors", [True, False])
+def test_gpu_layer_call_takes_the_cuda_kernels(bias_dtype, keep_chunk_tensors, monkeypatch):
+    # the 0.6B layer's call (bf16 logits; its bias bf16 as FSDP's mixed precision gives it, or fp32) runs every CUDA
+    # kernel in a fwd+bwd: a condition the call misses would otherwise fall back to the Triton kernels unseen
+    from kernels.rwkv7 import scan_cuda
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the CUDA kernels need sm_90")
+    calls = []
+    for name in ("fwd_prep", "fwd_scan", "bwd_scan"):
+        real = getattr(scan_cuda, name)
+        monkeypatch.setattr(scan_cuda, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    xs, z, bias, _ = rwkv7_logit_inputs(8, 256, 20, 64, 64, device="cuda", dtype=torch.bfloat16, seed=41)
+    run_logits(chunk_rwkv7, xs, z, bias.to(bias_dtype), None, 1.0,
+               settings=Settings(keep_chunk_tensors=keep_chunk_tensors))
+    assert {"fwd_prep", "fwd_scan", "bwd_scan"} <= set(calls), calls
+
+
+@gpu
 @pytest.mark.parametrize("B,T,H,V,lens,with_h0", [
     (8, 512, 20, 64, None, True),                       # the 0.6B layer's heads
     (1, None, 4, 64, [1, 15, 16, 17, 100, 333], True),  # packed, chunks cut short
