@@ -62,12 +62,12 @@ class Settings:
     cuda_scan: bool = True
     """The sequence scans, forward and backward, in CUDA (scan.cu, bwd_scan.cu: the state or its gradient held in
     tensor-core registers for the whole sequence) where scan_cuda.runs says they take the call (bf16, K = 64, V a
-    multiple of 64, sm_90 or later); the Triton scans elsewhere and with False. Same inputs, outputs and products
-    (tf32 operands, fp32 accumulation)."""
+    multiple of 64, sm_90 or later, the default products: cuda_products); the Triton scans elsewhere and with False.
+    Same inputs, outputs and products (tf32 operands, fp32 accumulation)."""
     cuda_prep: bool = True
     """The forward's per-chunk work in CUDA (prep.cu: a warp a chunk, three blocks of 4 an SM) where scan_cuda.runs
-    says it takes the call (bf16, K = 64, V a multiple of 64, sm_90 or later) and the decay comes from its logits
-    (w_bias); the Triton _fwd_prep elsewhere and with False. Same outputs (bf16 mma products of the same bf16
+    says it takes the call (as cuda_scan's) and the decay comes from its logits (w_bias); the Triton _fwd_prep
+    elsewhere and with False. Same outputs (bf16 mma products of the same bf16
     factors, fp32 accumulation; T in fp32 FMAs)."""
     prep_warps: int = 4
     """Warps of _fwd_prep."""
@@ -111,6 +111,11 @@ class Settings:
         """Whether the per-chunk products take bf16 operands for inputs like r."""
         return self.bf16_products and r.dtype == torch.bfloat16
 
+    def cuda_products(self, r: torch.Tensor) -> bool:
+        """Whether these settings ask for the products the CUDA kernels take for inputs like r: bf16 operands for the
+        per-chunk products (and the chunk states, U and dZ kept in bf16), tf32 operands for the fp32 ones."""
+        return self.bf16(r) and self.prec == "tf32"
+
     def blocked(self, sequences: int, H: int, V: int) -> bool:
         """Whether the scans run blocked for this shape."""
         if self.blocked_scan is not None:
@@ -143,7 +148,7 @@ def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
     TT = NT * BT
     wf = torch.empty(H, K, TT, **f32)
     if (s.cuda_prep and w_bias is not None and w.dtype == torch.bfloat16
-            and scan_cuda.runs(scan_cuda.PREP, r, v, (r, w, k, v, a, b), s.bf16(r))):
+            and scan_cuda.runs(scan_cuda.PREP, r, v, (r, w, k, v, a, b), s.cuda_products(r))):
         # the bias in fp32 (a bf16 parameter under FSDP's mixed precision: exact, as _fwd_prep's load)
         scan_cuda.fwd_prep(r, w, w_bias.float().contiguous(), k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
                            wf, DECAY_SCALE, TT, NT)
@@ -190,7 +195,7 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     scan = dict(H=H, K=K, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
     tensors = (r, wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
-    if blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.FORWARD, r, v, (r, k, v, b), s.bf16(r)):
+    if blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.FORWARD, r, v, (r, k, v, b), s.cuda_products(r)):
         scan_cuda.fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale, TT)
         return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
     if blocks is None:
@@ -245,7 +250,8 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
                      num_warps=BWD_WARPS)
     C = NT // N if seq_len else 0   # chunks per sequence (equal rows)
     L = max(1, s.bwd_dh_chunks // N)
-    cuda = blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.BACKWARD, r, v, (r, a, b, do), s.bf16(r))
+    cuda = (blocks is None and s.cuda_scan
+            and scan_cuda.runs(scan_cuda.BACKWARD, r, v, (r, a, b, do), s.cuda_products(r)))
 
     def sequence_scan(dS_end, dh, dS_start, first, count, segment):
         """_bwd_scan's sequence role (in CUDA where it runs): dh and dZ from dS at the sequences' (or segments') ends,

@@ -103,11 +103,11 @@ def _kernel(scan: Scan, index: int) -> cuda_rtc.Kernel | None:
         return None
 
 
-def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, bf16_kept: bool) -> bool:
-    """Whether a CUDA kernel takes a call: bf16 inputs (the chunk states, U and dZ kept in bf16), `tensors` (the
-    caller's, which it copies 16 bytes at a time) 16-byte aligned, K = 64, V a multiple of 64 (the block's columns),
-    on a Hopper GPU or later (sm_90's stmatrix) where the kernel compiles."""
-    if not (r.is_cuda and r.dtype == v.dtype == torch.bfloat16 and bf16_kept and r.shape[-1] == KD
+def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, products: bool) -> bool:
+    """Whether a CUDA kernel takes a call: bf16 inputs, the products the caller's settings ask for (`products`:
+    Settings.cuda_products), `tensors` (the caller's, which it copies 16 bytes at a time) 16-byte aligned, K = 64, V a
+    multiple of 64 (the block's columns), on a Hopper GPU or later (sm_90's stmatrix) where the kernel compiles."""
+    if not (r.is_cuda and r.dtype == v.dtype == torch.bfloat16 and products and r.shape[-1] == KD
             and v.shape[-1] % VC == 0 and all(x.data_ptr() % 16 == 0 for x in tensors)):
         return False
     return scan.kernel(r.device) is not None

@@ -417,10 +417,14 @@ def test_gpu_cuda_kernels_run_where_built_for():
 
 @gpu
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("keep_chunk_tensors", [True, False])
-def test_gpu_layer_call_takes_the_cuda_kernels(bias_dtype, keep_chunk_tensors, monkeypatch):
+@pytest.mark.parametrize("fields,cuda", [
+    (dict(), True), (dict(keep_chunk_tensors=False), True),   # the layer's two settings
+    (dict(prec="ieee"), False), (dict(bf16_products=False), False),   # products the CUDA kernels do not take
+])
+def test_gpu_layer_call_takes_the_cuda_kernels(bias_dtype, fields, cuda, monkeypatch):
     # the 0.6B layer's call (bf16 logits; its bias bf16 as FSDP's mixed precision gives it, or fp32) runs every CUDA
-    # kernel in a fwd+bwd: a condition the call misses would otherwise fall back to the Triton kernels unseen
+    # kernel in a fwd+bwd (a condition the call misses would otherwise fall back to the Triton kernels unseen), and
+    # settings that ask for other products run none
     from kernels.rwkv7 import scan_cuda
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -430,9 +434,8 @@ def test_gpu_layer_call_takes_the_cuda_kernels(bias_dtype, keep_chunk_tensors, m
         real = getattr(scan_cuda, name)
         monkeypatch.setattr(scan_cuda, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
     xs, z, bias, _ = rwkv7_logit_inputs(8, 256, 20, 64, 64, device="cuda", dtype=torch.bfloat16, seed=41)
-    run_logits(chunk_rwkv7, xs, z, bias.to(bias_dtype), None, 1.0,
-               settings=Settings(keep_chunk_tensors=keep_chunk_tensors))
-    assert {"fwd_prep", "fwd_scan", "bwd_scan"} <= set(calls), calls
+    run_logits(chunk_rwkv7, xs, z, bias.to(bias_dtype), None, 1.0, settings=Settings(**fields))
+    assert set(calls) == ({"fwd_prep", "fwd_scan", "bwd_scan"} if cuda else set()), calls
 
 
 @gpu
