@@ -1,7 +1,7 @@
-"""Kernel benchmark of every chunked op (kernels/ops.py): ours called as our model's layer calls it in training
-(RWKV-7: the decay's logits with w_bias; GSA: chunk_gsa_from_projection on the stacked projection; the call is printed
-first), beside FLA's op called as FLA's layer calls it (when installed) and causal SDPA flash attention, same run,
-same GPU.
+"""Kernel benchmark of every chunked op (kernels/ops.py): ours called as our model's layer calls it in training (RWKV-7:
+the decay's logits with w_bias; GSA: chunk_gsa_from_projection on the stacked projection; the call is printed first;
+tests/kernels/test_ops_match_models.py holds each to the model's), beside FLA's op called as FLA's layer calls it
+(when installed) and causal SDPA flash attention, same run, same GPU.
 
     python benchmarks/bench_kernels.py                       # both ops: median ms, tokens/s, peak memory, ratio to FLA
     python benchmarks/bench_kernels.py --op gsa --kernels ours
