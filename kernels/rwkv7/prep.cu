@@ -9,12 +9,11 @@
 //     W = T (a e^{ge}), Uv = T (A_ak v).
 // One warp a chunk, 4 chunks of a head a block, three blocks an SM: the warps wait on their own chain of shared-memory
 // steps, so more of them hide more (at 168 registers ptxas keeps a dozen values on the stack, stored and loaded once a
-// chunk). A level's factors share two tiles (r^ and a^ on a block's second half
-// of rows, b^ and k^ on its first; the pair mask keeps the products' pairs that belong). For the elementwise work lane
-// l owns keys 2l and 2l + 1 (a bf16 pair of each token's row) and sums the log decays over a chunk's tokens in order,
-// in fp32. The products are tensor-core ops as the Triton kernel's: the pairwise ones and A_ak v with bf16 operands
-// (the level factors rounded to bf16), T's in fp32 FMAs, W's and Uv's with tf32 operands (fp32 bits, their low bits
-// ignored); fp32 accumulation.
+// chunk). A level's factors share two tiles (r^ and a^ on a block's second half of rows, b^ and k^ on its first; the
+// pair mask keeps the products' pairs that belong). For the elementwise work lane l owns keys 2l and 2l + 1 (a bf16
+// pair of each token's row) and sums the log decays over a chunk's tokens in order, in fp32. The products are
+// tensor-core ops as the Triton kernel's: the pairwise ones and A_ak v with bf16 operands (the level factors rounded to
+// bf16), T's in fp32 FMAs, W's and Uv's with tf32 operands (fp32 bits, their low bits ignored); fp32 accumulation.
 // Every exp() argument is <= 0 (sums of log decays, clamped).
 
 #define KD 64                   // the key head size (scan_cuda.KD)
