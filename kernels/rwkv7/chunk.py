@@ -67,8 +67,8 @@ class Settings:
     cuda_prep: bool = True
     """The forward's per-chunk work in CUDA (prep.cu: a warp a chunk, three blocks of 4 an SM) where scan_cuda.runs
     says it takes the call (as cuda_scan's) and the decay comes from its logits (w_bias); the Triton _fwd_prep
-    elsewhere and with False. Same outputs (bf16 mma products of the same bf16 factors, fp32 accumulation; T in fp32
-    FMAs)."""
+    elsewhere and with False. Same outputs (bf16 mma products of the same bf16 factors, fp32 accumulation; T by forward
+    substitution in fp32 where _fwd_prep multiplies out its product form, equal up to rounding)."""
     prep_warps: int = 4
     """Warps of _fwd_prep."""
     prep_maxnreg: int | None = 168

@@ -5,15 +5,15 @@
 //     A_rb, A_rk, A_ab, A_ak: A_xy[t, s] = sum_k x_tk y_sk e^{g_t - g_s} for s < t (A_ab, A_ak: g_t exclusive),
 //         the diagonal of A_rb, A_rk (decay 1) apart; by halving: at each level a pair (t, s) straddling the middle
 //         m of its block of S rows factors as e^{g_t - g_m} e^{g_m - g_s}, both <= 1, one product a level,
-//     T = (I - A_ab)^{-1} = (I + A)(I + A^2)(I + A^4)(I + A^8) in fp32 (A is nilpotent),
+//     T = (I - A_ab)^{-1} by forward substitution in fp32 (T = I + A_ab T, rows in order),
 //     W = T (a e^{ge}), Uv = T (A_ak v).
 // One warp a chunk, 4 chunks of a head a block, three blocks an SM: the warps wait on their own chain of shared-memory
-// steps, so more of them hide more (at 168 registers ptxas keeps a dozen values on the stack, stored and loaded once a
+// steps, so more of them hide more (at 168 registers ptxas keeps twenty values on the stack, stored and loaded once a
 // chunk). A level's factors share two tiles (r^ and a^ on a block's second half of rows, b^ and k^ on its first; the
 // pair mask keeps the products' pairs that belong). For the elementwise work lane l owns keys 2l and 2l + 1 (a bf16
 // pair of each token's row) and sums the log decays over a chunk's tokens in order, in fp32. The products are
 // tensor-core ops as the Triton kernel's: the pairwise ones and A_ak v with bf16 operands (the level factors rounded to
-// bf16), T's in fp32 FMAs, W's and Uv's with tf32 operands (fp32 bits, their low bits ignored); fp32 accumulation.
+// bf16), T in fp32 FMAs, W's and Uv's with tf32 operands (fp32 bits, their low bits ignored); fp32 accumulation.
 // Every exp() argument is <= 0 (sums of log decays, clamped).
 
 #define KD 64                   // the key head size (scan_cuda.KD)
@@ -34,7 +34,7 @@ struct Warp {
     union {
         bf16 hat[2][BT * SX];   // a level's factors [t][key]: r^ | b^ and a^ | k^ (second | first halves)
         struct {
-            float T[BT * SF], P[BT * SF];   // T and the powers of A_ab
+            float T[BT * SF], P[BT * SF];   // T and A_ab
             float y[BT * SY];               // a e^{ge} [t][key], then A_ak v [t][v]
         } f;
     };
@@ -53,28 +53,6 @@ __device__ __forceinline__ void product_xyT(float (&acc)[2][4], const bf16* X, c
         b_tiles(b, Y, SX, 0, 16 * s, lane);
         mma_bf16(acc[0], a, b[0], b[1]);
         mma_bf16(acc[1], a, b[2], b[3]);
-    }
-}
-
-// out = X Y (+ Z) for fp32 [16, 16] tiles of row stride SF, in fp32 FMAs: lane l computes row l / 2, columns
-// 8 (l % 2) .. + 7
-__device__ __forceinline__ void product16(float (&out)[8], const float* X, const float* Y, int lane) {
-    const int i = lane >> 1, c0 = 8 * (lane & 1);
-#pragma unroll
-    for (int j = 0; j < 8; j++) out[j] = 0.f;
-#pragma unroll
-    for (int k4 = 0; k4 < BT; k4 += 4) {
-        const float4 x = *reinterpret_cast<const float4*>(X + i * SF + k4);
-        const float xs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const float4 y0 = *reinterpret_cast<const float4*>(Y + (k4 + kk) * SF + c0);
-            const float4 y1 = *reinterpret_cast<const float4*>(Y + (k4 + kk) * SF + c0 + 4);
-            out[0] = fmaf(xs[kk], y0.x, out[0]); out[1] = fmaf(xs[kk], y0.y, out[1]);
-            out[2] = fmaf(xs[kk], y0.z, out[2]); out[3] = fmaf(xs[kk], y0.w, out[3]);
-            out[4] = fmaf(xs[kk], y1.x, out[4]); out[5] = fmaf(xs[kk], y1.y, out[5]);
-            out[6] = fmaf(xs[kk], y1.z, out[6]); out[7] = fmaf(xs[kk], y1.w, out[7]);
-        }
     }
 }
 
@@ -216,7 +194,7 @@ flame_rwkv7_fwd_prep(const bf16* __restrict__ r, const bf16* __restrict__ z, con
         __syncwarp();
     }
 
-    // A_rb, A_rk, A_ak to memory ([T, H, 16] rows); T = (I - A_ab)^{-1}
+    // A_rb, A_rk, A_ak to memory ([T, H, 16] rows), A_ab to shared memory
     {
         const i64 row0 = ((i64)t0 * H + hh) * BT;
 #pragma unroll
@@ -230,37 +208,13 @@ flame_rwkv7_fwd_prep(const bf16* __restrict__ r, const bf16* __restrict__ z, con
                     *reinterpret_cast<float2*>(Ark + at) = make_float2(acc[1][n][2 * h], acc[1][n][2 * h + 1]);
                     *reinterpret_cast<unsigned*>(Aak + at) = bf16x2(acc[3][n][2 * h], acc[3][n][2 * h + 1]);
                 }
-                sh.f.P[t * SF + 8 * n + 2 * q] = acc[2][n][2 * h];
-                sh.f.P[t * SF + 8 * n + 2 * q + 1] = acc[2][n][2 * h + 1];
-                sh.f.T[t * SF + 8 * n + 2 * q] = acc[2][n][2 * h] + (t == 8 * n + 2 * q ? 1.f : 0.f);
-                sh.f.T[t * SF + 8 * n + 2 * q + 1] = acc[2][n][2 * h + 1] + (t == 8 * n + 2 * q + 1 ? 1.f : 0.f);
+                *reinterpret_cast<float2*>(sh.f.P + t * SF + 8 * n + 2 * q) =
+                    make_float2(acc[2][n][2 * h], acc[2][n][2 * h + 1]);
             }
     }
-    __syncwarp();
-    {
-        const int i = lane >> 1, c0 = 8 * (lane & 1);
-#pragma unroll
-        for (int it = 0; it < 3; it++) {   // P <- P^2, T <- T + T P
-            float p[8], tp[8];
-            product16(p, sh.f.P, sh.f.P, lane);
-            __syncwarp();
-#pragma unroll
-            for (int j = 0; j < 8; j++) sh.f.P[i * SF + c0 + j] = p[j];
-            __syncwarp();
-            product16(tp, sh.f.T, sh.f.P, lane);
-            __syncwarp();
-#pragma unroll
-            for (int j = 0; j < 8; j++) sh.f.T[i * SF + c0 + j] += tp[j];
-            __syncwarp();
-        }
-        if (i < rows) {
-            float* to = Tinv + ((i64)(t0 + i) * H + hh) * BT + c0;
-            *reinterpret_cast<float4*>(to) = *reinterpret_cast<const float4*>(sh.f.T + i * SF + c0);
-            *reinterpret_cast<float4*>(to + 4) = *reinterpret_cast<const float4*>(sh.f.T + i * SF + c0 + 4);
-        }
-    }
 
-    // W = T (a e^{ge}), ge the exclusive cumulative log decays of the chunk
+    // a e^{ge} (ge the exclusive cumulative log decays of the chunk), W's B operand: formed before T, so that the
+    // log decays are not held through T's chain
     {
         float ge[2] = {0.f, 0.f};
 #pragma unroll
@@ -272,7 +226,39 @@ flame_rwkv7_fwd_prep(const bf16* __restrict__ r, const bf16* __restrict__ z, con
             ge[0] += w[0][t];
             ge[1] += w[1][t];
         }
-        __syncwarp();
+    }
+    __syncwarp();
+
+    // T = (I - A_ab)^{-1} by forward substitution in fp32, T_i = e_i + sum_{j<i} [A_ab]_ij T_j (rows i; T = I + A T):
+    // lane l forms column l % 16 (both halves of the warp alike, so the chain of rows needs no shuffle), reading
+    // row i of A_ab as a broadcast, then writes rows l / 16 * 8 .. + 7 of it (to T's tile and to Tinv)
+    {
+        const int c = lane & 15, half = lane >> 4;
+        float tc[BT];
+#pragma unroll
+        for (int i = 0; i < BT; i++) {
+            float s = i == c ? 1.f : 0.f;
+#pragma unroll
+            for (int j4 = 0; j4 < i; j4 += 4) {
+                const float4 p = *reinterpret_cast<const float4*>(sh.f.P + i * SF + j4);
+                const float ps[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+                for (int j = j4; j < j4 + 4 && j < i; j++) s = fmaf(ps[j - j4], tc[j], s);
+            }
+            tc[i] = s;
+        }
+#pragma unroll
+        for (int i = 0; i < BT / 2; i++) {
+            const int t = i + 8 * half;
+            const float x = half ? tc[i + 8] : tc[i];
+            sh.f.T[t * SF + c] = x;
+            if (t < rows) Tinv[((i64)(t0 + t) * H + hh) * BT + c] = x;
+        }
+    }
+    __syncwarp();
+
+    // W = T (a e^{ge})
+    {
         float out[8][4];
         product_T(out, sh.f.T, sh.f.y, g, q);
         store_tile(W + ((i64)t0 * H + hh) * KD, (i64)H * KD, out, rows, g, q);
