@@ -97,7 +97,11 @@ def _compile(source: str, name: str, options: list[str]) -> tuple[bytes, str]:
 
 
 def _options(arch: str, defines: dict) -> list[str]:
-    return [f"--gpu-architecture={arch}", "--std=c++17", "-default-device"] + [f"-D{k}={v}" for k, v in defines.items()]
+    """fp32 denormals flushed to zero and approximate division (Triton's exp and division are approximate too):
+    without them each exp() takes two more multiplies and a test for a denormal result and each division a slow path
+    (a sixth of prep.cu's instructions). What they change lies below 2^-126 or within 2 ulp of a quotient."""
+    return [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "--ftz=true", "--prec-div=false"] + [
+        f"-D{k}={v}" for k, v in defines.items()]
 
 
 def resources(source: str, name: str, arch: str = "sm_90", defines: dict | None = None) -> dict:

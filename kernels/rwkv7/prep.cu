@@ -8,7 +8,7 @@
 //     T = (I - A_ab)^{-1} by forward substitution in fp32 (T = I + A_ab T, rows in order),
 //     W = T (a e^{ge}), Uv = T (A_ak v).
 // One warp a chunk, 4 chunks of a head a block, three blocks an SM: the warps wait on their own chain of shared-memory
-// steps, so more of them hide more (at 168 registers ptxas keeps twenty values on the stack, stored and loaded once a
+// steps, so more of them hide more (at 168 registers ptxas keeps fifteen values on the stack, stored and loaded once a
 // chunk). A level's factors share two tiles (r^ and a^ on a block's second half of rows, b^ and k^ on its first; the
 // pair mask keeps the products' pairs that belong). For the elementwise work lane l owns keys 2l and 2l + 1 (a bf16
 // pair of each token's row) and sums the log decays over a chunk's tokens in order, in fp32. The products are

@@ -86,8 +86,8 @@ def _prep_shared_bytes() -> int:
     return PREP_WARPS * (x + v + formed)
 
 
-# three blocks an SM: ptxas keeps twenty values on the stack, stored and loaded once a chunk
-PREP = Scan("prep.cu", "flame_rwkv7_fwd_prep", _prep_shared_bytes(), threads=32 * PREP_WARPS, blocks=3, spill_bytes=80)
+# three blocks an SM: ptxas keeps fifteen values on the stack, stored and loaded once a chunk
+PREP = Scan("prep.cu", "flame_rwkv7_fwd_prep", _prep_shared_bytes(), threads=32 * PREP_WARPS, blocks=3, spill_bytes=64)
 
 
 @functools.lru_cache(maxsize=None)
