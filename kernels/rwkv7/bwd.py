@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.rwkv7.fwd import load_w, scan_span
-from kernels.tl_utils import (chunk_bounds, decay_on, first_half, load_cols, load_rows, mm, pair_mask, run_sums_t,
+from kernels.tl_utils import (chunk_bounds, decay_on, exp, first_half, load_cols, load_rows, mm, pair_mask, run_sums_t,
                                second_half, store_cols)
 
 
@@ -66,9 +66,9 @@ def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, d
         wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
-        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
-        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(gT - wT, 0.))
-        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(gC[:, None] - gT, 0.))
+        r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * exp(gT)
+        a_decT = load_cols(a, tok, i_h, H, K, ck, m_t, m_k) * exp(tl.minimum(gT - wT, 0.))
+        b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * exp(tl.minimum(gC[:, None] - gT, 0.))
         doT = load_cols(do, tok, i_h, H, V, cv, m_t, m_v)
         A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
         T = load_rows(Tinv, tok, i_h, H, BT, cb, m_t, cb < BT)
@@ -82,7 +82,7 @@ def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, d
         dZT = tl.dot(dUT, T, input_precision=PREC)
         if OUT:
             store_cols(dZ, dZT, tok, i_h, H, V, cv, m_t, m_v)
-        dS = tl.exp(gC)[:, None] * dS + scale * tl.dot(r_decT, tl.trans(doT), input_precision=PREC) \
+        dS = exp(gC)[:, None] * dS + scale * tl.dot(r_decT, tl.trans(doT), input_precision=PREC) \
             + tl.dot(a_decT, tl.trans(dZT), input_precision=PREC)
     if BLOCKED:
         if not OUT:
@@ -172,7 +172,7 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
     wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)
     gC = tl.sum(wT, axis=1)
-    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
+    k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
     # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)
     Ak2 = tl.where(lo[:, None], scale, 1.) * (
         load_rows(Ark, tok2, i_h, H, BT, rows, m_t2 & lo, rows < BT)
@@ -207,10 +207,10 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
     Y = load_pair_raw(b, k, tok2, lo, i_h, H, K, ck, m_t2, m_k)
     geT = run_sums_t(wT, rows, BT, True)
     # x rows read g (r, inclusive) or ge (a, exclusive); y columns and the chunk end read -g
-    to_endT = tl.exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
+    to_endT = exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
     d_y *= pair_cols(to_endT, to_endT, BK, BT)
-    d_gC = d_gC * tl.exp(gC) + tl.sum(Y.to(tl.float32) * d_y, axis=1)
-    d_x *= pair_cols(scale * tl.exp(tl.minimum(geT + wT, 0.)), tl.exp(tl.minimum(geT, 0.)), BK, BT)
+    d_gC = d_gC * exp(gC) + tl.sum(Y.to(tl.float32) * d_y, axis=1)
+    d_x *= pair_cols(scale * exp(tl.minimum(geT + wT, 0.)), exp(tl.minimum(geT, 0.)), BK, BT)
     # the diagonal (decay 1): dr_t += dA_rb[t,t] b_t + dA_rk[t,t] k_t; db_t, dk_t += the same entries times r_t
     diag = lo[:, None] & (c2[:, None] == t2[None, :])
     Dg = tl.where(diag, dA, 0.)

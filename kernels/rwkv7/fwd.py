@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (by_chunk, cast_for, chunk_bounds, decay_on, first_half, load_cols, load_rows,
+from kernels.tl_utils import (by_chunk, cast_for, chunk_bounds, decay_on, exp, first_half, load_cols, load_rows,
                                load_rows_raw, mm, pair_mask, run_sums, second_half, sequence_span, store_cols,
                                store_rows)
 
@@ -114,7 +114,7 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
     store_rows(Ark, A_rk, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Aak, A_ak, tok, i_h, H, BT, cb, m_t, cb < BT)
     store_rows(Tinv, T, tok, i_h, H, BT, cb, m_t, cb < BT)
-    b_W = tl.dot(T, b_a * tl.exp(tl.minimum(ge, 0.)), input_precision=PREC)
+    b_W = tl.dot(T, b_a * exp(tl.minimum(ge, 0.)), input_precision=PREC)
     store_rows(W, b_W, tok, i_h, H, K, ck, m_t, m_k)
     for i_v in tl.static_range((V + BV - 1) // BV):
         cv = i_v * BV + cv0
@@ -200,18 +200,18 @@ def _fwd_scan(r, wf, k, v, b, cu, chunk_offsets, block_index, W, Uv, Arb, Ark, h
         wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
-        to_endT = tl.exp(tl.minimum(gC[:, None] - gT, 0.))
+        to_endT = exp(tl.minimum(gC[:, None] - gT, 0.))
         b_endT = load_cols(b, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         WT = load_cols(W, tok, i_h, H, K, ck, m_t, m_k)
         St = tl.trans(S)
         UT = tl.dot(St, WT, input_precision=PREC)
-        S_next = tl.exp(gC)[:, None] * S
+        S_next = exp(gC)[:, None] * S
         UT += UvT   # Uv and v load as zeros in M's columns (block maps): M takes no value terms
         vT = load_cols(v, tok, i_h, H, V, cv, m_t, m_v)
         k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * to_endT
         S_next += tl.dot(k_endT, tl.trans(vT), input_precision=PREC)
         if OUT:
-            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * tl.exp(gT)
+            r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * exp(gT)
             A_rb = load_rows(Arb, tok, i_h, H, BT, cb, m_t, cb < BT)
             A_rk = load_rows(Ark, tok, i_h, H, BT, cb, m_t, cb < BT)
             tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + s_off, cast_for(h, S), mask=m_kv)
