@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from kernels.gsa.fwd import chunk_state, from_start, gated_sum, level, load_gates_by_chunk, store_split, to_end
-from kernels.tl_utils import cast_for, chunk_program, diag_of, load_rows, load_rows_raw, mm, spare_chunk, store_rows
+from kernels.tl_utils import (cast_for, chunk_program, diag_of, exp, load_rows, load_rows_raw, mm, spare_chunk,
+                              store_rows)
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def _bwd_dz(v, s, g, do, cu, chunk_index, hv, hv_sc, p, z, dz_out, dg, pe_out, d
     P = load_rows_raw(p, tok, i_h, H, M, cm, m_t, m_m)
     b_g = load_gates_by_chunk(g, i_c, i_h, M, cm, m_m, rows, TT, BT)
     b_s = x_s.to(tl.float32)
-    eG = tl.exp(from_start(b_g, rows))
+    eG = exp(from_start(b_g, rows))
     hbase = (i_c * H + i_h).to(tl.int64) * M
     # dp_t = e^{G_t} (Hv_0 do_t) + sum_{s<=t} (do_t . v_s) e^{G_t - G_s} s_s
     D2 = tl.zeros([BT, BT], dtype=tl.float32)
@@ -140,8 +141,8 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
     m_tm = m_t[:, None] & m_m[None, :]
     dZr = tl.where(m_tm, dZr, 0.)
     GC = tl.sum(b_g, axis=0)
-    e_end = tl.exp(to_end(b_g, rows))    # e^{sum_{j>t} g_j}: decay to the chunk end
-    eG = tl.exp(from_start(b_g, rows))   # e^{G_t}: decay from the chunk start
+    e_end = exp(to_end(b_g, rows))    # e^{sum_{j>t} g_j}: decay to the chunk end
+    eG = exp(from_start(b_g, rows))   # e^{G_t}: decay from the chunk start
     s_end = b_s * e_end
     dZe = dZr * eG
     hbase = (i_c * H + i_h).to(tl.int64) * M
@@ -194,14 +195,14 @@ def _bwd_dkvsg(q, k, v, s, g, do, cu, chunk_index, hk, hv, dhk, dhv, hk_sc, hv_s
     dS_end = dS_end * e_end
     b_ds = dS_end + x_dsi
     # log gate: rows' e^{+G_t} (stored by _bwd_dz), columns' e^{-G_s} (every use of s), e^{+G_C} on the last row
-    dGC = dGC * tl.exp(GC) + tl.sum(b_s * dS_end, axis=0)
+    dGC = dGC * exp(GC) + tl.sum(b_s * dS_end, axis=0)
     dG = x_dg - b_s * b_ds + tl.where(rows[:, None] == BT - 1, dGC[None, :], 0.)
     # dg_j = sum_{t>=j} dG_t: a scan (as a run sum, a product, this kernel spills 120 more bytes under its cap)
     b_dg = tl.cumsum(dG, axis=0, reverse=True)
     if W > 0:
         # s = 1 - e^g adds -e^g ds to g's gradient; d logsigmoid(f) / df = sigmoid(-f)
         f = x_f.to(tl.float32)
-        b_df = (b_dg - b_ds * tl.exp(b_g)) * inv_norm * tl.sigmoid(-f)
+        b_df = (b_dg - b_ds * exp(b_g)) * inv_norm * tl.sigmoid(-f)
         store_projection(dy, b_df, tok, 2 * H * K + H * V + i_h * M, cm, m_t, m_m, W)
     else:
         store_rows(ds, b_ds, tok, i_h, H, M, cm, m_t, m_m)

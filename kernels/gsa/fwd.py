@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (INTERPRETED, by_chunk, chunk_program, decay_on, diag_of, first_half, load_rows,
+from kernels.tl_utils import (INTERPRETED, by_chunk, chunk_program, decay_on, diag_of, exp, first_half, load_rows,
                               load_rows_raw, load_scaled_state, load_state, mm, pair_mask, second_half,
                               sequence_span, spare_chunk, store_rows, store_scaled_state)
 
@@ -118,7 +118,7 @@ def level(b_g, rows, cols, BS: tl.constexpr):
         return decay_on(second, b_g), tl.where(first, 1., 0.) + tl.zeros_like(b_g), pair
     same = (rows[:, None] // HALF) == (cols[None, :] // HALF)
     upto = cols[None, :] <= rows[:, None]
-    e = tl.exp(span_sums(b_g, tl.where(same & (upto == second), 1., 0.)))
+    e = exp(span_sums(b_g, tl.where(same & (upto == second), 1., 0.)))
     return tl.where(second, e, 0.), tl.where(first, e, 0.), pair
 
 
@@ -166,21 +166,21 @@ def slot_logits(q, k, hk, hk_sc, hbase, b_s, b_g, tok, i_h, m_t, rows, cols, cm,
             b_h = chunk_state(hk, hk_sc, hbase, cm, ck, i_k * BK, K, m_m, m_k, SC)
             QH += tl.dot(b_q, tl.trans(b_h), input_precision=PREC)
     if NZP == 0:
-        return gated_sum(tl.exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, PREC), A1
+        return gated_sum(exp(from_start(b_g, rows)) * QH, A1, b_s, b_g, rows, cols, LEVELS, PREC), A1
     # the parts loaded after the chunk's own writes are summed (fewer registers live through the levels)
     Zr = gated_sum(QH, A1, b_s, b_g, rows, cols, LEVELS, PREC)
     m_tm = m_t[:, None] & m_m[None, :]
     for i in tl.static_range(NZP):   # (in order: the same sum every run; each part through a no-op select, as
         # _fwd_out's p, so that all parts' loads are issued before their layout conversions)
         QH += tl.where(m_tm, load_rows(zp + i * M, tok, i_h, H, NZP * M, cm, m_t, m_m), 0.)
-    return Zr + tl.exp(from_start(b_g, rows)) * QH, A1
+    return Zr + exp(from_start(b_g, rows)) * QH, A1
 
 
 @triton.jit
 def slot_softmax(Z, m_t, m_m):
     """Softmax over the M valid slots in fp32; padded slots and rows give 0 (they never meet an inf)."""
     Z = tl.where(m_m[None, :], Z, float("-inf"))
-    E = tl.exp(Z - tl.max(Z, axis=1)[:, None])
+    E = exp(Z - tl.max(Z, axis=1)[:, None])
     P = E / tl.sum(E, axis=1)[:, None]
     return tl.where(m_t[:, None] & m_m[None, :], P, 0.)
 
@@ -309,13 +309,13 @@ def _gate_factors(s, g, cu, chunk_index, sE, egc, gf, TT,
     i_c, i_h, eos, rows, tok, m_t, cm, m_m = chunk_program(cu, chunk_index, BT, BM, M)
     x_s = load_rows_raw(s, tok, i_h, H, M, cm, m_t, m_m)
     b_g = load_rows_raw(g, tok, i_h, H, M, cm, m_t, m_m)   # (fp32) padded rows read 0
-    b_sE = x_s.to(tl.float32) * tl.exp(to_end(b_g, rows))
+    b_sE = x_s.to(tl.float32) * exp(to_end(b_g, rows))
     tl.store(gf + tl.trans(by_chunk(i_c, i_h, M, cm, rows, TT, BT)), b_g, mask=m_m[None, :])
     if SPLIT:
         store_split(sE, b_sE, tok, i_h, H, M, cm, m_t, m_m)
     else:
         store_rows(sE, b_sE, tok, i_h, H, M, cm, m_t, m_m)
-    tl.store(egc + (i_c * H + i_h).to(tl.int64) * M + cm, tl.exp(tl.sum(b_g, axis=0)), mask=m_m)
+    tl.store(egc + (i_c * H + i_h).to(tl.int64) * M + cm, exp(tl.sum(b_g, axis=0)), mask=m_m)
 
 
 @triton.jit
@@ -359,7 +359,7 @@ def _fwd_out(q, k, v, s, g, cu, chunk_index, hk, hv, hk_sc, hv_sc, o, p_out, z_o
         P = tl.where(m_t[:, None] & m_m[None, :], P, 0.)
         A2 = pair_matrix(P, b_s, b_g, rows, cols, LEVELS, BF16, PREC)
         store_rows(a2_out, A2, tok, i_h, H, BT, cols, m_t, cols < BT)
-        Pe = P * tl.exp(from_start(b_g, rows))
+        Pe = P * exp(from_start(b_g, rows))
         if PASS == "decayed":
             store_rows(pe_out, Pe, tok, i_h, H, M, cm, m_t, m_m)
         else:

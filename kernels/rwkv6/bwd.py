@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.rwkv6.fwd import chunk_decays, chunk_start, level_factors, rkw_tiles
-from kernels.tl_utils import diag_of, load_rows, load_rows_raw, load_state, mm, run_sums, store_rows
+from kernels.tl_utils import diag_of, exp, load_rows, load_rows_raw, load_state, mm, run_sums, store_rows
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _bwd_chunk(r, k, v, w, u, do, h, dh, a, cu, chunk_index, dr, dk, dv, dw, du,
     d_r = e_before * d_rS
     d_k = e_after * d_kS
     # the chunk-end decay: S_C = e^{g_C} S_0 + sum_s (k_s e^{g_C - g_s})^T v_s
-    d_gC = d_gC * tl.exp(tl.sum(b_w, axis=0)) + tl.sum(b_k * d_k, axis=0)
+    d_gC = d_gC * exp(tl.sum(b_w, axis=0)) + tl.sum(b_k * d_k, axis=0)
     # dA back to the factors of A level by level, as the forward formed them: dr_t = e_row(t) sum_s dA[t, s] k^_s
     # and dk_s = e_col(s) sum_t dA[t, s] r^_t
     for lvl in tl.static_range(LEVELS):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (chunk_bounds, load_rows, load_rows_raw, load_state, mm, pair_mask, run_sums,
+from kernels.tl_utils import (chunk_bounds, exp, load_rows, load_rows_raw, load_state, mm, pair_mask, run_sums,
                                store_rows)
 
 
@@ -29,8 +29,8 @@ def level_factors(w, rows, BS: tl.constexpr):
     if BS == 2:
         ones = tl.full(w.shape, 1., tl.float32)
         return ones, ones, pair_mask(rows, rows, BS)
-    e_row = tl.exp(tl.minimum(run_sums(w, rows, BS // 2, True), 0.))
-    e_col = tl.exp(tl.minimum(run_sums(w, rows, BS // 2, False), 0.))
+    e_row = exp(tl.minimum(run_sums(w, rows, BS // 2, True), 0.))
+    e_col = exp(tl.minimum(run_sums(w, rows, BS // 2, False), 0.))
     return e_row, e_col, pair_mask(rows, rows, BS)
 
 
@@ -40,7 +40,7 @@ def chunk_decays(w, rows, BT: tl.constexpr):
     after t), each a sum of log decays over the span itself, clamped to <= 0 against rounding."""
     before = run_sums(w, rows, BT, True)
     after = run_sums(w, rows, BT, False)
-    return tl.exp(tl.minimum(before, 0.)), tl.exp(tl.minimum(after, 0.))
+    return exp(tl.minimum(before, 0.)), exp(tl.minimum(after, 0.))
 
 
 @triton.jit
