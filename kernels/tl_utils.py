@@ -227,9 +227,10 @@ def diag_of(x, rows, cols):
 
 @triton.jit
 def exp(x):
-    """e^x of an fp32 tile, results below 2^-126 flushed to zero (PTX ex2.approx.ftz): tl.exp's ex2 keeps denormal
-    results at the price of a test and two multiplies an element, a tenth of _bwd_chunk's instructions. Decay factors
-    that small are zero to every sum they enter. The interpreter takes tl.exp."""
+    """e^x in fp32, results below 2^-126 flushed to zero (PTX ex2.approx.ftz): tl.exp's ex2 keeps denormal results at
+    the price of a test and two multiplies an element, a tenth of _bwd_chunk's instructions. Decay factors that small
+    are zero to every sum they enter. The interpreter takes tl.exp."""
+    x = x.to(tl.float32)
     if INTERPRETED:
         return tl.exp(x)
     return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634], dtype=tl.float32,
