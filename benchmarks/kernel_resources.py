@@ -60,10 +60,12 @@ def cuda_scan_row():
     if cuda_rtc._nvrtc() is None:
         print("(the CUDA scans: NVRTC not installed)")
         return
-    for scan, instead in ((scan_cuda.FORWARD, "_fwd_scan"), (scan_cuda.BACKWARD, "_bwd_scan"),
-                          (scan_cuda.PREP, "_fwd_prep")):
+    for scan, instead in ((scan_cuda.FORWARD_LOGITS, "_fwd_scan"), (scan_cuda.FORWARD, "_fwd_scan"),
+                          (scan_cuda.BACKWARD_LOGITS, "_bwd_scan"),
+                          (scan_cuda.BACKWARD, "_bwd_scan"), (scan_cuda.PREP, "_fwd_prep")):
         r = scan.resources()
-        print(f"| {scan.name} (CUDA; in {instead}'s place) | {r['registers']} | {r['spilled_bytes']} "
+        built = "decay from logits, " if scan.logits else ""
+        print(f"| {scan.name} (CUDA, {built}in {instead}'s place) | {r['registers']} | {r['spilled_bytes']} "
               f"| {scan.shared_bytes} | | | |")
 
 

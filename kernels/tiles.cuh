@@ -7,6 +7,12 @@ typedef unsigned short bf16;
 typedef long long i64;
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
+// RWKV-7's log decay from its logit z and bias (kernels/rwkv7/decay.py): one expression wherever a CUDA kernel forms
+// it, so that each forms the same w bit for bit
+// (the fast division: its quotient is 0 where 1 + e^{-(z + bias)} passes 2^126, where w is below 1e-38 anyway)
+__device__ __forceinline__ float log_decay(float z, float bias, float decay_scale) {
+    return __fdividef(-decay_scale, 1.f + __expf(-(z + bias)));
+}
 // fp32 to tf32, rounded to nearest (ties away from zero) as cvt.rna does, in two integer operations (cvt.rna's own
 // sequence is four, with checks for values that do not occur here: NaN stays NaN, infinities stay)
 __device__ __forceinline__ unsigned tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }

@@ -226,6 +226,18 @@ def diag_of(x, rows, cols):
 
 
 @triton.jit
+def fast_div(x, y):
+    """x / y in fp32 by PTX div.approx.ftz (CUDA's __fdividef): within 2 ulp, 0 where |y| passes 2^126; Triton's
+    division tests every element for that range. The interpreter divides exactly."""
+    x = x.to(tl.float32)
+    y = y.to(tl.float32)
+    if INTERPRETED:
+        return x / y
+    return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def exp(x):
     """e^x in fp32, results below 2^-126 flushed to zero (PTX ex2.approx.ftz): tl.exp's ex2 keeps denormal results at
     the price of a test and two multiplies an element, a tenth of _bwd_chunk's instructions. Decay factors that small

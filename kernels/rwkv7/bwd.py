@@ -13,17 +13,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.rwkv7.fwd import load_w, scan_span
+from kernels.rwkv7.fwd import decay_from_logits_t, load_w, scan_span
 from kernels.tl_utils import (chunk_bounds, decay_on, exp, first_half, load_cols, load_rows, mm, pair_mask, run_sums_t,
                                second_half, store_cols)
 
 
 @triton.jit
-def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
-              scale, TT, seg_first, seg_count, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _bwd_scan(r, w, w_bias, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, dh, dZ, dh0, dSb,
+              scale, TT, decay_scale, seg_first, seg_count, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr,
               OUT: tl.constexpr, SEGMENT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-              PREC: tl.constexpr):
+              LOGITS: tl.constexpr, PREC: tl.constexpr):
     """The state-gradient recursion over chunks, last to first, in one of three roles (as the forward's):
       sequence   (BLOCKED=False, OUT): from dht through all chunks, storing dS at each chunk's end as dh and dZ;
                  dS at t = 0 to dh0.
@@ -63,7 +63,10 @@ def _bwd_scan(r, wf, a, b, do, cu, chunk_offsets, block_index, Arb, Tinv, dht, d
         i_t = first + count - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
+        if LOGITS:
+            wT = decay_from_logits_t(w, w_bias, tok, i_h, H, K, ck, m_t, m_k, decay_scale)
+        else:
+            wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
         gT = tl.cumsum(wT, axis=1)
         gC = tl.sum(wT, axis=1)
         r_decT = load_cols(r, tok, i_h, H, K, ck, m_t, m_k) * exp(gT)
@@ -138,7 +141,7 @@ def pair_cols(x, y, BK: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
+def _bwd_chunk(r, w, w_bias, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
                dr, dw, dk, dv, da, db, scale, TT, decay_scale, seg_first, seg_count, seq_chunks,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr,
@@ -170,7 +173,10 @@ def _bwd_chunk(r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, dh, U, dZ,
 
     # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads; g and e^{gC - g} are
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
-    wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)
+    if LOGITS:
+        wT = decay_from_logits_t(w, w_bias, tok, i_h, H, K, ck, m_t, m_k, decay_scale)
+    else:
+        wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)
     gC = tl.sum(wT, axis=1)
     k_endT = load_cols(k, tok, i_h, H, K, ck, m_t, m_k) * exp(tl.minimum(run_sums_t(wT, rows, BT, False), 0.))
     # [scale A_rk ; A_ak]: dv = scale A_rk^T do + A_ak^T dZ = ([do | dZ] Ak2) (feature-major)

@@ -7,6 +7,9 @@
 // warps hold dS transposed (dST [16 values x 64 keys]) in tf32 accumulators, 4 producer warps copy each chunk's inputs
 // two chunks ahead and form its operands one chunk ahead. dh (fp32) leaves through a staging tile, dZ (bf16) through
 // stmatrix. Every exp() argument is <= 0.
+// LOGITS (a build define): the producers form w from the decay's logits z (bf16 [T, H, K], read as r is) and its bias
+// as prep.cu did (tiles.cuh's log_decay), so the forward need not keep w by chunk for the backward; else they read w
+// by chunk (fp32, from _fwd_prep, where the op was given log decays).
 
 #define KD 64                   // the key head size (scan_cuda.KD)
 #define BT 16
@@ -21,12 +24,27 @@
 #define SV (VC + 8)             // row stride (bf16) of the dO tile
 #define SH (16 + 4)             // row stride (floats) of a warp's dh staging tile [KD, 16]
 #define STAGES 3
-#define SLOTS ((KD * BT / 4 + 3 * BT * KD / 8 + BT * VC / 8 + 2 * BT * BT / 4) / PRODUCERS)
+#if LOGITS
+#define W_PIECES (BT * KD / 8)  // 16-byte pieces of a chunk's w: the logits [t][key]
+#else
+#define W_PIECES (KD * BT / 4)  // w by chunk [key][t]
+#endif
+#define SLOTS ((W_PIECES + 3 * BT * KD / 8 + BT * VC / 8 + 2 * BT * BT / 4) / PRODUCERS)
 
 #include "tiles.cuh"
 
+#if LOGITS
+typedef bf16 w_t;
+#else
+typedef float w_t;
+#endif
+
 struct Inputs {                 // one chunk's inputs as they arrive (rows past the sequence's end: zeros)
+#if LOGITS
+    bf16 z[BT * KD];            // [t][key] (token_chunk): the decay's logits
+#else
     float w[KD * BT];           // [key][t]: the log decays by chunk
+#endif
     bf16 r[BT * KD], a[BT * KD], b[BT * KD];   // [t][key] (token_chunk)
     bf16 dO[BT * SV];           // [t][v] of the block's columns
     float Arb[BT * BT], T[BT * BT];            // [t][s] as _fwd_prep stored them (tile16)
@@ -49,7 +67,8 @@ struct Shared {
 static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda's shared_bytes is not the size of Shared");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, const bf16* __restrict__ a,
+flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const w_t* __restrict__ wf, const float* __restrict__ w_bias,
+                     float decay_scale, const bf16* __restrict__ a,
                      const bf16* __restrict__ b, const bf16* __restrict__ dO, const int* __restrict__ cu,
                      const int* __restrict__ chunk_offsets, const float* __restrict__ Arb,
                      const float* __restrict__ Tinv, const float* __restrict__ dht, float* __restrict__ dh,
@@ -83,10 +102,16 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             const i64 tok_k = (i64)H * KD * sizeof(bf16);
             const int t_last = bos + last * BT;   // the last chunk's first token
 #pragma unroll
-            for (int i = 0; i < KD * BT / 4 / PRODUCERS; i++) {          // w by chunk: [key][t]
+            for (int i = 0; i < W_PIECES / PRODUCERS; i++) {
+#if LOGITS                                                               // the logits: [t][key]
+                const int e = p + i * PRODUCERS, t = e / (KD / 8), part = e % (KD / 8);
+                add(wf + ((i64)(t_last + t) * H + hh) * KD + 8 * part, BT * tok_k, in0->z + token_chunk(t, 8 * part),
+                    t);
+#else                                                                    // w by chunk: [key][t]
                 const int e = p + i * PRODUCERS, key = e / (BT / 4), part = e % (BT / 4);
                 add(wf + (i64)(hh * KD + key) * TT + (i64)(c0 + last) * BT + 4 * part, BT * sizeof(float),
                     in0->w + key * BT + 4 * part, -1);
+#endif
             }
 #pragma unroll
             for (int i = 0; i < 3 * BT * KD / 8 / PRODUCERS; i++) {      // r, a, b: [t][key]
@@ -119,16 +144,27 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             }
         };
         const int key = p / TPK, part = p % TPK, t0 = part * TOK;
+#if LOGITS
+        const float bias = w_bias[hh * KD + key];
+#endif
         auto form = [&](int i) {
             const Inputs& in = sh.in[i % STAGES];
             Formed& f = sh.formed[i & 1];
             float w[TOK];
             bf16 rr[TOK], aa[TOK], bb[TOK];
+#if LOGITS   // every row's w formed, then rows past the sequence's end set to 0 (so the sums stay flat): no branches
+            const int rows_left = eos - bos - (last - i) * BT;
+#pragma unroll
+            for (int j = 0; j < TOK; j++) w[j] = log_decay(bf2f(in.z[token_chunk(t0 + j, key)]), bias, decay_scale);
+#pragma unroll
+            for (int j = 0; j < TOK; j++) w[j] = t0 + j < rows_left ? w[j] : 0.f;
+#else
 #pragma unroll
             for (int j = 0; j < TOK; j += 4) {
                 const float4 w4 = *reinterpret_cast<const float4*>(in.w + key * BT + t0 + j);
                 w[j] = w4.x; w[j + 1] = w4.y; w[j + 2] = w4.z; w[j + 3] = w4.w;
             }
+#endif
 #pragma unroll
             for (int j = 0; j < TOK; j++) {
                 rr[j] = in.r[token_chunk(t0 + j, key)];

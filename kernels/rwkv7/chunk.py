@@ -130,8 +130,15 @@ def kept_dtype(r: torch.Tensor, s: Settings) -> torch.dtype:
     return torch.bfloat16 if s.bf16(r) else torch.float32
 
 
-def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
-    """_fwd_prep's launch: W and Uv (fp32, for the scans), A_rb, A_rk, A_ak, T and w by chunk (the backward's)."""
+def _fp32(w_bias: torch.Tensor) -> torch.Tensor:
+    """The decay's bias as the CUDA kernels read it: fp32 (exact for a bf16 parameter under FSDP's mixed precision, as
+    the Triton kernels' loads)."""
+    return w_bias.float().contiguous()
+
+
+def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings, need_wf: bool = True):
+    """_fwd_prep's launch (prep.cu's where it runs): W and Uv (fp32, for the scans), A_rb, A_rk, A_ak, T (the
+    backward's) and w by chunk (None where need_wf is False and prep.cu runs: scans that form w from the logits)."""
     from kernels.rwkv7.fwd import _fwd_prep
 
     _, T, H, K = r.shape
@@ -144,15 +151,15 @@ def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
     Arb, Ark, Tinv = (torch.empty(1, T, H, BT, **f32) for _ in range(3))
     # what only the backward's bf16 products read is stored in bf16 (half the memory kept per layer)
     Aak = torch.empty(1, T, H, BT, device=r.device, dtype=kept_dtype(r, s))
-    # w feature-major by chunk (tl_utils.by_chunk), written by _fwd_prep: the scans and _bwd_chunk read w from it
+    # w feature-major by chunk (tl_utils.by_chunk): the scans that read w by chunk read it from this
     TT = NT * BT
-    wf = torch.empty(H, K, TT, **f32)
     if (s.cuda_prep and w_bias is not None and w.dtype == torch.bfloat16
             and scan_cuda.runs(scan_cuda.PREP, r, v, (r, w, k, v, a, b), s.cuda_products(r))):
-        # the bias in fp32 (a bf16 parameter under FSDP's mixed precision: exact, as _fwd_prep's load)
-        scan_cuda.fwd_prep(r, w, w_bias.float().contiguous(), k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv,
-                           wf, DECAY_SCALE, TT, NT)
+        wf = torch.empty(H, K, TT, **f32) if need_wf else None
+        scan_cuda.fwd_prep(r, w, _fp32(w_bias), k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf,
+                           DECAY_SCALE, TT, NT)
         return W, Uv, Arb, Ark, Aak, Tinv, wf
+    wf = torch.empty(H, K, TT, **f32)
     launch(_fwd_prep, (NT, H), r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, TT,
            DECAY_SCALE, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
            LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec, num_warps=s.prep_warps,
@@ -162,10 +169,10 @@ def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings):
 
 def _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s: Settings):
     """What a forward with keep_chunk_tensors=False did not keep, formed again from the inputs and the chunk states:
-    (U, A_rb, A_rk, A_ak, T, w by chunk)."""
+    (U, A_rb, A_rk, A_ak, T, w by chunk: None given the logits, which the backward reads instead)."""
     from kernels.rwkv7.fwd import _chunk_u
 
-    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s)
+    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s, need_wf=w_bias is None)
     _, T, H, K = r.shape
     V = v.shape[-1]
     U = torch.empty(1, T, H, V, device=r.device, dtype=kept_dtype(r, s))
@@ -185,7 +192,14 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
     kept = dict(device=r.device, dtype=kept_dtype(r, s))
-    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s)
+    # the CUDA scan forms w from bf16 logits (then no w by chunk is stored), or reads w by chunk
+    logits = w_bias is not None and w.dtype == torch.bfloat16
+    cuda = (blocks is None and s.cuda_scan
+            and scan_cuda.runs(scan_cuda.forward(logits), r, v, (r, w, k, v, b) if logits else (r, k, v, b),
+                               s.cuda_products(r)))
+    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s, need_wf=not (cuda and logits))
+    # given the logits, the backward forms w from them: no w by chunk kept
+    wf_kept = wf if w_bias is None else torch.empty(0, **f32)
     TT = NT * BT
     h = torch.empty(NT, H, K, V, **kept)
     U = torch.empty(1, T, H, V, **kept)
@@ -195,13 +209,15 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     scan = dict(H=H, K=K, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
     tensors = (r, wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
-    if blocks is None and s.cuda_scan and scan_cuda.runs(scan_cuda.FORWARD, r, v, (r, k, v, b), s.cuda_products(r)):
-        scan_cuda.fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale, TT)
-        return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
+    if cuda:
+        decay = (w, _fp32(w_bias)) if logits else (wf, None)
+        scan_cuda.fwd_scan(r, *decay, DECAY_SCALE, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale,
+                           TT)
+        return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf_kept, None)
     if blocks is None:
         launch(_fwd_scan, (N, H, cdiv(V, BV)), *tensors, None, *per_chunk, None, None, scale, TT, V=V, BV=BV,
                BLOCKED=False, OUT=True, HAS_H0=h0 is not None, STORE_HT=want_ht, num_warps=s.scan_warps, **scan)
-        return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, None)
+        return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf_kept, None)
     block_offsets, block_index, NB = blocks
     # per block, all at once: the block's map S_end = M S_start + N (M: the identity's columns carried through),
     # both as one [K, K + V] state
@@ -218,7 +234,7 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     # per block again: the chunk states, U and the output from the block's entering state
     launch(_fwd_scan, (NB, H, cdiv(V, BVb)), *tensors, block_index, *per_chunk, hb, None, scale, TT, V=V,
            BV=BVb, BLOCKED=True, OUT=True, HAS_H0=False, STORE_HT=False, num_warps=s.scan_warps, **scan)
-    return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf, Mb)
+    return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf_kept, Mb)
 
 
 def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks, do, dht, s: Settings):
@@ -241,28 +257,30 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
     dv = torch.empty_like(v)
     BV = s.scan_tile(V, N * H)
     TT = NT * BT
-    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, PREC=s.prec)
-    tensors = (r, wf, a, b, do, cu, chunk_offsets)
-    ops = (r, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h)
+    logits = w_bias is not None   # the backward forms w from its logits (the forward kept no w by chunk)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, LOGITS=logits, PREC=s.prec)
+    tensors = (r, w, w_bias, wf, a, b, do, cu, chunk_offsets)
+    ops = (r, w, w_bias, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h)
     grads = (U, dZ, dr, dw, dk, dv, da, db, scale, TT, DECAY_SCALE)
     per_chunk = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
-                     LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, BF16=s.bf16(r), PREC=s.prec,
-                     num_warps=BWD_WARPS)
+                     LEVELS=BT.bit_length() - 1, LOGITS=logits, BF16=s.bf16(r), PREC=s.prec, num_warps=BWD_WARPS)
     C = NT // N if seq_len else 0   # chunks per sequence (equal rows)
     L = max(1, s.bwd_dh_chunks // N)
-    cuda = (blocks is None and s.cuda_scan
-            and scan_cuda.runs(scan_cuda.BACKWARD, r, v, (r, a, b, do), s.cuda_products(r)))
+    # the CUDA scan reads bf16 logits or w by chunk
+    cuda_w, cuda_bias = (w, _fp32(w_bias)) if logits else (wf, None)
+    cuda = (blocks is None and s.cuda_scan and cuda_w.dtype == (torch.bfloat16 if logits else torch.float32)
+            and scan_cuda.runs(scan_cuda.backward(logits), r, v, (r, cuda_w, a, b, do), s.cuda_products(r)))
 
     def sequence_scan(dS_end, dh, dS_start, first, count, segment):
         """_bwd_scan's sequence role (in CUDA where it runs): dh and dZ from dS at the sequences' (or segments') ends,
         dS at their starts to dS_start where given."""
         if cuda:
-            scan_cuda.bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dS_end, dh, dZ, dS_start, scale, TT,
-                               first, count, segment)
+            scan_cuda.bwd_scan(r, cuda_w, cuda_bias, DECAY_SCALE, a, b, do, cu, chunk_offsets, Arb, Tinv, dS_end, dh,
+                               dZ, dS_start, scale, TT, first, count, segment)
         else:
             launch(_bwd_scan, (N, H, cdiv(V, BV)), *tensors, None, Arb, Tinv, dS_end, dh, dZ, dS_start, None, scale,
-                   TT, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=segment, HAS_DHT=dS_end is not None,
-                   STORE_DH0=dS_start is not None, num_warps=s.scan_warps, **scan)
+                   TT, DECAY_SCALE, first, count, BV=BV, BLOCKED=False, OUT=True, SEGMENT=segment,
+                   HAS_DHT=dS_end is not None, STORE_DH0=dS_start is not None, num_warps=s.scan_warps, **scan)
 
     if blocks is None and s.bwd_dh_chunks and L < C:
         # segments of L chunks of every sequence, the last first: dh holds one segment's chunk ends, the gradient
@@ -286,9 +304,9 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
         grid = (NB, H, cdiv(V, BVb))
         # per block: R in dS_start = M^T dS_end + R; in reverse order: dS at every block's end; per block: the rest
         Rb = torch.empty(NB, H, K, V, **f32)
-        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, None, dZ, None, Rb, scale, TT, 0, 0, BV=BVb,
-               BLOCKED=True, OUT=False, SEGMENT=False, HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps,
-               **scan)
+        launch(_bwd_scan, grid, *tensors, block_index, Arb, Tinv, None, None, dZ, None, Rb, scale, TT, DECAY_SCALE, 0,
+               0, BV=BVb, BLOCKED=True, OUT=False, SEGMENT=False, HAS_DHT=False, STORE_DH0=False,
+               num_warps=s.scan_warps, **scan)
         dhb = torch.empty(NB, H, K, V, **f32)
         launch(_block_scan, (N, H, cdiv(V, BV)), cu, block_offsets, Mb, Rb, dht, dhb, dh0, H=H, K=K, V=V,
                BL=BT * s.block_chunks, BK=BK, BV=BV, REVERSE=True, HAS_S0=dht is not None, STORE_END=h0 is not None,
@@ -306,8 +324,8 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
                 c_lo = g0 // per_seq * C + g0 % per_seq * Lb
                 c_hi = (g1 - 1) // per_seq * C + min(((g1 - 1) % per_seq + 1) * Lb, C)
             launch(_bwd_scan, (g1 - g0, H, cdiv(V, BVb)), *tensors, block_index[g0:], Arb, Tinv, None, dh, dZ,
-                   None, dhb[g0:], scale, TT, c_lo, 0, BV=BVb, BLOCKED=True, OUT=True, SEGMENT=False, HAS_DHT=False,
-                   STORE_DH0=False, num_warps=s.scan_warps, **scan)
+                   None, dhb[g0:], scale, TT, DECAY_SCALE, c_lo, 0, BV=BVb, BLOCKED=True, OUT=True, SEGMENT=False,
+                   HAS_DHT=False, STORE_DH0=False, num_warps=s.scan_warps, **scan)
             launch(_bwd_chunk, (c_hi - c_lo, H), *ops, dh, *grads, c_lo, c_hi - c_lo, 0, **per_chunk)
     return dr, dw, dk, dv, da, db, dh0
 
@@ -355,6 +373,8 @@ def _fake_forward(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, set
                  f32(H, K, NT * BT))
     if not s.keep_chunk_tensors:
         per_chunk = tuple(x.new_empty(0) for x in per_chunk)
+    if w_bias is not None:
+        per_chunk = (*per_chunk[:5], per_chunk[5].new_empty(0))
     return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, kept(NT, H, K, V), *per_chunk, Mb)
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tl_utils import (by_chunk, cast_for, chunk_bounds, decay_on, exp, first_half, load_cols, load_rows,
-                               load_rows_raw, mm, pair_mask, run_sums, second_half, sequence_span, store_cols,
-                               store_rows)
+from kernels.tl_utils import (by_chunk, cast_for, chunk_bounds, decay_on, exp, fast_div, first_half, load_cols,
+                               load_rows, load_rows_raw, mm, pair_mask, run_sums, second_half, sequence_span,
+                               store_cols, store_rows)
 
 
 @triton.jit
@@ -33,6 +33,22 @@ def load_w(wf, i_c, i_h, K: tl.constexpr, ck, m_k, rows, TT, BT: tl.constexpr):
     sums over the chunk stay within a warp; loaded from w [T, H, K] they would span the warps and go through shared
     memory."""
     return tl.load(wf + by_chunk(i_c, i_h, K, ck, rows, TT, BT), mask=m_k[:, None], other=0.)
+
+
+@triton.jit
+def log_decay(z, bias, decay_scale):
+    """decay.log_decay in fp32 by the operations of tiles.cuh's log_decay (prep.cu's and the CUDA scans'), so that
+    every kernel forms the same w from the same logits, bit for bit."""
+    return fast_div(-decay_scale + 0. * z, 1. + exp(-(z + bias)))
+
+
+@triton.jit
+def decay_from_logits_t(z, bias, tok, i_h, H: tl.constexpr, K: tl.constexpr, ck, m_t, m_k, decay_scale):
+    """The chunk's log decays [BK, BT] formed from the logits z [T, H, K] and the bias [H * K], as the forward formed
+    them (zero past the sequence's end): what the backward reads instead of a kept w by chunk."""
+    zT = load_cols(z, tok, i_h, H, K, ck, m_t, m_k)
+    bias_k = tl.load(bias + i_h * K + ck, mask=m_k, other=0.).to(tl.float32)
+    return tl.where(m_k[:, None] & m_t[None, :], log_decay(zT, bias_k[:, None], decay_scale), 0.)
 
 
 @triton.jit
@@ -52,7 +68,7 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr, BF16: tl.constexpr,
               PREC: tl.constexpr):
-    """LOGITS: w holds the decay's logits, the log decay is -decay_scale * sigmoid(w + w_bias) (decay.py), in fp32.
+    """LOGITS: w holds the decay's logits, the log decay is -decay_scale * sigmoid(w + w_bias) (decay.py; log_decay).
     The kernel waits on its loads (few blocks fit an SM at its register count): every load is issued at once, in
     the inputs' dtype, v's first tile too, and no branch precedes them (a spare chunk of a packed batch runs with
     all-false masks instead of returning early)."""
@@ -79,7 +95,7 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
     b_r, b_w, b_k, b_a, b_b = x_r.to(tl.float32), x_w.to(tl.float32), x_k.to(tl.float32), x_a.to(tl.float32), \
         x_b.to(tl.float32)
     if LOGITS:   # (padded rows and features set to w = 0 again)
-        b_w = tl.where(m_t[:, None] & m_k[None, :], -decay_scale * tl.sigmoid(b_w + bias[None, :]), 0.)
+        b_w = tl.where(m_t[:, None] & m_k[None, :], log_decay(b_w, bias[None, :], decay_scale), 0.)
     ge = run_sums(b_w, rows, BT, True)   # exclusive cumulative log decays, for W = T (a e^{ge})
     # w feature-major by chunk, for the scans and _bwd_chunk (load_w)
     tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
@@ -285,8 +301,9 @@ def _chunk_u(cu, chunk_index, W, Uv, h, U, H: tl.constexpr, K: tl.constexpr, V: 
     m_k = ck < K
     cv = i_v * BV + tl.arange(0, BV)
     m_v = cv < V
+    # (a spare chunk's state was never written: not read, so no garbage enters the product)
     S = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
-                mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
+                mask=m_k[:, None] & m_v[None, :] & (ck[:, None] * 0 + t0 < eos), other=0.).to(tl.float32)
     b_U = tl.dot(load_rows(W, tok, i_h, H, K, ck, m_t, m_k), S, input_precision=PREC) \
         + load_rows(Uv, tok, i_h, H, V, cv, m_t, m_v)
     store_rows(U, b_U, tok, i_h, H, V, cv, m_t, m_v)

@@ -1,7 +1,7 @@
 // RWKV-7's per-chunk forward preparation in CUDA (kernels/rwkv7/scan_cuda.py compiles it with NVRTC): the Triton
 // _fwd_prep's work for bf16 inputs, K = 64, the decay from its logits (README.md's notation). Per chunk of 16 tokens
 // and head, all chunks at once:
-//     w = -decay_scale sigmoid(z + bias) (stored feature-major by chunk, wf),
+//     w = -decay_scale sigmoid(z + bias) (stored feature-major by chunk to wf, where given: the scans that read it),
 //     A_rb, A_rk, A_ab, A_ak: A_xy[t, s] = sum_k x_tk y_sk e^{g_t - g_s} for s < t (A_ab, A_ak: g_t exclusive),
 //         the diagonal of A_rb, A_rk (decay 1) apart; by halving: at each level a pair (t, s) straddling the middle
 //         m of its block of S rows factors as e^{g_t - g_m} e^{g_m - g_s}, both <= 1, one product a level,
@@ -121,11 +121,11 @@ flame_rwkv7_fwd_prep(const bf16* __restrict__ r, const bf16* __restrict__ z, con
 #pragma unroll
     for (int t = 0; t < BT; t++) {
         const float lo = __uint_as_float(zz[t] << 16), hi = __uint_as_float(zz[t] & 0xffff0000u);
-        w[0][t] = t < rows ? -decay_scale / (1.f + __expf(-(lo + bias.x))) : 0.f;
-        w[1][t] = t < rows ? -decay_scale / (1.f + __expf(-(hi + bias.y))) : 0.f;
+        w[0][t] = t < rows ? log_decay(lo, bias.x, decay_scale) : 0.f;
+        w[1][t] = t < rows ? log_decay(hi, bias.y, decay_scale) : 0.f;
     }
 #pragma unroll
-    for (int c = 0; c < 2; c++) {
+    for (int c = 0; c < 2 && wf != nullptr; c++) {   // (the scans that form w from the logits need none)
         float* to = wf + (i64)(hh * KD + 2 * lane + c) * TT + (i64)i_c * BT;
 #pragma unroll
         for (int t = 0; t < BT; t += 4)

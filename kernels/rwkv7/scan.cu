@@ -13,6 +13,9 @@
 // One block-wide barrier a chunk. Every exp() argument is <= 0 (g <= 0, gC - g clamped to <= 0). Shared memory bounds
 // the step (all operands pass through it, two blocks share an SM), so every tile is laid out for conflict-free
 // accesses (tiles.cuh: tile16, token_major, token_chunk, stage_at).
+// LOGITS (a build define): the producers form w from the decay's logits z (bf16 [T, H, K], read as r is) and its bias
+// as prep.cu does (tiles.cuh's log_decay), so no w by chunk is stored; else they read w by chunk (fp32, from
+// _fwd_prep, where the op was given log decays).
 
 #define KD 64                   // the key head size (scan_cuda.KD): the copies' and tiles' counts are for it alone
 #define BT 16
@@ -26,12 +29,27 @@
 #define SU (VC + 4)             // row stride (floats) of the Uv tile
 #define SV (VC + 8)             // row stride (bf16) of the value tile
 #define STAGES 3                // chunks of inputs in shared memory: one consumed, one prepared, one arriving
-#define SLOTS ((KD * BT / 4 + 3 * BT * KD / 8 + BT * KD / 4 + 2 * BT * BT / 4 + BT * VC / 4 + BT * VC / 8) / PRODUCERS)
+#if LOGITS
+#define W_PIECES (BT * KD / 8)  // 16-byte pieces of a chunk's w: the logits [t][key]
+#else
+#define W_PIECES (KD * BT / 4)  // w by chunk [key][t]
+#endif
+#define SLOTS ((W_PIECES + 3 * BT * KD / 8 + BT * KD / 4 + 2 * BT * BT / 4 + BT * VC / 4 + BT * VC / 8) / PRODUCERS)
 
 #include "tiles.cuh"
 
+#if LOGITS
+typedef bf16 w_t;
+#else
+typedef float w_t;
+#endif
+
 struct Inputs {                 // one chunk's inputs as they arrive (rows past the sequence's end: zeros)
+#if LOGITS
+    bf16 z[BT * KD];            // [t][key] (token_chunk): the decay's logits
+#else
     float w[KD * BT];           // [key][t]: the log decays (w by chunk: a chunk's tokens contiguous)
+#endif
     bf16 r[BT * KD], k[BT * KD], b[BT * KD];   // [t][key] (token_chunk)
     float W[BT * SW];           // [t][key]
     float Arb[BT * BT], Ark[BT * BT];          // [t][s] (tile16)
@@ -54,7 +72,8 @@ struct Shared {
 static_assert(sizeof(Shared) == SHARED_BYTES, "scan_cuda's shared_bytes is not the size of Shared");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, const bf16* __restrict__ k,
+flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const w_t* __restrict__ wf, const float* __restrict__ w_bias,
+               float decay_scale, const bf16* __restrict__ k,
                const bf16* __restrict__ v, const bf16* __restrict__ b, const int* __restrict__ cu,
                const int* __restrict__ chunk_offsets, const float* __restrict__ W, const float* __restrict__ Uv,
                const float* __restrict__ Arb, const float* __restrict__ Ark, const float* __restrict__ h0,
@@ -88,10 +107,15 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
             };
             const i64 tok_k = (i64)H * KD * sizeof(bf16), tok_v = (i64)H * V;
 #pragma unroll
-            for (int i = 0; i < KD * BT / 4 / PRODUCERS; i++) {          // w by chunk: [key][t]
+            for (int i = 0; i < W_PIECES / PRODUCERS; i++) {
+#if LOGITS                                                               // the logits: [t][key]
+                const int e = p + i * PRODUCERS, t = e / (KD / 8), part = e % (KD / 8);
+                add(wf + ((i64)(bos + t) * H + hh) * KD + 8 * part, BT * tok_k, in0->z + token_chunk(t, 8 * part), t);
+#else                                                                    // w by chunk: [key][t]
                 const int e = p + i * PRODUCERS, key = e / (BT / 4), part = e % (BT / 4);
                 add(wf + (i64)(hh * KD + key) * TT + (i64)c0 * BT + 4 * part, BT * sizeof(float),
                     in0->w + key * BT + 4 * part, -1);
+#endif
             }
 #pragma unroll
             for (int i = 0; i < 3 * BT * KD / 8 / PRODUCERS; i++) {      // r, k, b: [t][key]
@@ -137,16 +161,27 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const float* __restrict__ wf, c
         // p / TPK and TOK of its tokens; g (the inclusive cumulative log decays) over the parts before its own by
         // shuffles
         const int key = p / TPK, part = p % TPK, t0 = part * TOK;
+#if LOGITS
+        const float bias = w_bias[hh * KD + key];
+#endif
         auto form = [&](int c) {
             const Inputs& in = sh.in[c % STAGES];
             Formed& f = sh.formed[c & 1];
             float w[TOK];
             bf16 rr[TOK], kk[TOK], bb[TOK];   // every read issued before the first use
+#if LOGITS   // every row's w formed, then rows past the sequence's end set to 0 (so the sums stay flat): no branches
+            const int rows_left = eos - bos - c * BT;
+#pragma unroll
+            for (int i = 0; i < TOK; i++) w[i] = log_decay(bf2f(in.z[token_chunk(t0 + i, key)]), bias, decay_scale);
+#pragma unroll
+            for (int i = 0; i < TOK; i++) w[i] = t0 + i < rows_left ? w[i] : 0.f;
+#else
 #pragma unroll
             for (int i = 0; i < TOK; i += 4) {
                 const float4 w4 = *reinterpret_cast<const float4*>(in.w + key * BT + t0 + i);
                 w[i] = w4.x; w[i + 1] = w4.y; w[i + 2] = w4.z; w[i + 3] = w4.w;
             }
+#endif
 #pragma unroll
             for (int i = 0; i < TOK; i++) {
                 rr[i] = in.r[token_chunk(t0 + i, key)];

@@ -25,14 +25,16 @@ BT, VC = 16, 64
 class Scan:
     """One of the CUDA kernels: its source file, its name (flame_ marks our CUDA kernels in profiles:
     flame.profiling.device_kind), the shared memory a block takes (its Shared, which the build checks), its threads a
-    block, the blocks an SM it is built to hold (its registers and shared memory allow them) and the stack bytes its
-    build may spill (the build test checks all three)."""
+    block, the blocks an SM it is built to hold (its registers and shared memory allow them), the stack bytes its
+    build may spill (the build test checks all three) and, for a scan, whether it forms the log decays from their
+    logits (the LOGITS build) or reads them by chunk."""
     file: str
     name: str
     shared_bytes: int
     threads: int = 256
     blocks: int = 2
     spill_bytes: int = 0
+    logits: bool = False
 
     def source(self) -> str:
         return (Path(__file__).parent / self.file).read_text()
@@ -40,7 +42,7 @@ class Scan:
     def defines(self) -> dict:
         """What the build is given: the shared memory a block is launched with, which the source checks against
         its Shared (a static_assert: a build where the two disagree fails)."""
-        return {"SHARED_BYTES": self.shared_bytes}
+        return {"SHARED_BYTES": self.shared_bytes, "LOGITS": int(self.logits)}
 
     def resources(self, arch: str = "sm_90") -> dict:
         """Registers and spilled bytes a thread of the kernel built for `arch` takes (NVRTC, no GPU)."""
@@ -52,10 +54,10 @@ class Scan:
         return _kernel(self, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _inputs_and_formed(forward: bool) -> tuple[int, int, int]:
+def _inputs_and_formed(forward: bool, logits: bool) -> tuple[int, int, int]:
     """Bytes of a chunk's Inputs and Formed and of the consumers' staging tiles (the structs of scan.cu and
     bwd_scan.cu)."""
-    w, rows3 = 4 * KD * BT, 3 * 2 * BT * KD            # w by chunk; three bf16 [t][key] tiles
+    w, rows3 = (2 if logits else 4) * KD * BT, 3 * 2 * BT * KD   # the logits or w by chunk; three bf16 [t][key] tiles
     tile, tile16 = 4 * BT * (BT + 8), 4 * BT * BT      # fp32 [BT, BT] tiles: rows padded; tiles.cuh's tile16
     token_major, key_major = 4 * BT * (KD + 8), 4 * KD * BT
     if forward:   # + W, A_rb, A_rk, Uv, v | R, K, B, eC | bf16 [KD, 16] a warp
@@ -66,13 +68,15 @@ def _inputs_and_formed(forward: bool) -> tuple[int, int, int]:
     return inputs, 2 * tile + token_major + 2 * key_major + 4 * KD, 4 * KD * 20 * 4
 
 
-def _shared_bytes(forward: bool) -> int:
-    inputs, formed, stages = _inputs_and_formed(forward)
+def _shared_bytes(forward: bool, logits: bool = False) -> int:
+    inputs, formed, stages = _inputs_and_formed(forward, logits)
     return 3 * inputs + 2 * formed + stages
 
 
 FORWARD = Scan("scan.cu", "flame_rwkv7_fwd_scan", _shared_bytes(True))
+FORWARD_LOGITS = Scan("scan.cu", "flame_rwkv7_fwd_scan", _shared_bytes(True, True), logits=True)
 BACKWARD = Scan("bwd_scan.cu", "flame_rwkv7_bwd_scan", _shared_bytes(False))
+BACKWARD_LOGITS = Scan("bwd_scan.cu", "flame_rwkv7_bwd_scan", _shared_bytes(False, True), logits=True)
 
 PREP_WARPS = 4
 """Chunks (one a warp) a block of prep.cu."""
@@ -113,30 +117,46 @@ def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, products:
     return scan.kernel(r.device) is not None
 
 
-def fwd_scan(r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale: float, TT: int) -> None:
-    """The sequence scan over every sequence of cu: o, h, U (and ht where given) from the state h0 (or zero)."""
+def forward(logits: bool) -> Scan:
+    """The forward scan that reads the log decays as the op has them: from their logits, or by chunk."""
+    return FORWARD_LOGITS if logits else FORWARD
+
+
+def fwd_scan(r, w, w_bias, decay_scale: float, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht,
+             scale: float, TT: int) -> None:
+    """The sequence scan over every sequence of cu: o, h, U (and ht where given) from the state h0 (or zero). w: the
+    decay's logits (bf16 [1, T, H, K]) with w_bias (fp32 [H * K]), or w by chunk with w_bias None."""
     N, H, V = cu.numel() - 1, r.shape[2], v.shape[-1]
-    FORWARD.kernel(r.device).launch(
-        (N, H, V // VC), FORWARD.threads, FORWARD.shared_bytes, r, wf, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0,
-        o, h, U, ht, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", int(h0 is not None)),
-        ("i32", int(ht is not None)))
+    scan = forward(w_bias is not None)
+    scan.kernel(r.device).launch(
+        (N, H, V // VC), scan.threads, scan.shared_bytes, r, w, w_bias, ("f32", decay_scale), k, v, b, cu,
+        chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT),
+        ("i32", int(h0 is not None)), ("i32", int(ht is not None)))
 
 
-def bwd_scan(r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, scale: float, TT: int,
-             seg_first: int, seg_count: int, segment: bool) -> None:
+def backward(logits: bool) -> Scan:
+    """The backward scan that reads the log decays as the op has them: from their logits, or by chunk."""
+    return BACKWARD_LOGITS if logits else BACKWARD
+
+
+def bwd_scan(r, w, w_bias, decay_scale: float, a, b, do, cu, chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0,
+             scale: float, TT: int, seg_first: int, seg_count: int, segment: bool) -> None:
     """The backward sequence scan, last chunk to first: dh (the state gradient at each chunk's end, rows as
-    `_bwd_scan` numbers them) and dZ from dht (or zero), the gradient at the start to dh0 where given."""
+    `_bwd_scan` numbers them) and dZ from dht (or zero), the gradient at the start to dh0 where given. w: the
+    decay's logits (bf16 [1, T, H, K]) with w_bias (fp32 [H * K]), or w by chunk with w_bias None."""
     N, H, V = cu.numel() - 1, r.shape[2], do.shape[-1]
-    BACKWARD.kernel(r.device).launch(
-        (N, H, V // VC), BACKWARD.threads, BACKWARD.shared_bytes, r, wf, a, b, do, cu, chunk_offsets, Arb, Tinv, dht,
-        dh, dZ, dh0, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT), ("i32", seg_first), ("i32", seg_count),
-        ("i32", int(segment)), ("i32", int(dht is not None)), ("i32", int(dh0 is not None)))
+    scan = backward(w_bias is not None)
+    scan.kernel(r.device).launch(
+        (N, H, V // VC), scan.threads, scan.shared_bytes, r, w, w_bias, ("f32", decay_scale), a, b, do, cu,
+        chunk_offsets, Arb, Tinv, dht, dh, dZ, dh0, ("f32", scale), ("i32", H), ("i32", V), ("i32", TT),
+        ("i32", seg_first), ("i32", seg_count), ("i32", int(segment)), ("i32", int(dht is not None)),
+        ("i32", int(dh0 is not None)))
 
 
 def fwd_prep(r, z, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, Tinv, wf, decay_scale: float, TT: int,
              NT: int) -> None:
     """_fwd_prep's work for the decay from its logits z (bf16) and bias w_bias (fp32 [H * K]): W, Uv, A_rb, A_rk,
-    A_ak (bf16), T and w by chunk, for all NT chunks."""
+    A_ak (bf16), T and w by chunk (where wf is given: the scans that read it), for all NT chunks."""
     H, V = r.shape[2], v.shape[-1]
     PREP.kernel(r.device).launch(
         ((NT + PREP_WARPS - 1) // PREP_WARPS, H, 1), PREP.threads, PREP.shared_bytes, r, z, w_bias, k, v, a, b,
