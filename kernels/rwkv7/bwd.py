@@ -23,7 +23,7 @@ def _bwd_scan(r, w, w_bias, wf, a, b, do, cu, chunk_offsets, block_index, Arb, T
               scale, TT, decay_scale, seg_first, seg_count, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L: tl.constexpr, BLOCKED: tl.constexpr,
               OUT: tl.constexpr, SEGMENT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-              LOGITS: tl.constexpr, PREC: tl.constexpr):
+              FORM_W: tl.constexpr, PREC: tl.constexpr):
     """The state-gradient recursion over chunks, last to first, in one of three roles (as the forward's):
       sequence   (BLOCKED=False, OUT): from dht through all chunks, storing dS at each chunk's end as dh and dZ;
                  dS at t = 0 to dh0.
@@ -33,7 +33,8 @@ def _bwd_scan(r, w, w_bias, wf, a, b, do, cu, chunk_offsets, block_index, Arb, T
     dh holds the chunks from global chunk seg_first on (row: global chunk - seg_first), or with SEGMENT (sequence
     role over equal rows) only chunks seg_first .. seg_first + seg_count - 1 of each sequence, from dht (the gradient
     carried from the later segment) to dh0, dh by sequence (row i_n * seg_count + chunk - seg_first); as
-    _bwd_chunk's programs read them."""
+    _bwd_chunk's programs read them. FORM_W: the log decays formed from the logits w and w_bias (the forward kept no
+    w by chunk: chunk._forms_w), else read from wf."""
     # Token tiles are feature-major ([BK or BV, BT], suffix T): every product has M = BK or BV rows.
     i_n, bos, eos, first, count, c0 = scan_span(cu, chunk_offsets, block_index, BT, L, BLOCKED)
     if BLOCKED:
@@ -63,7 +64,7 @@ def _bwd_scan(r, w, w_bias, wf, a, b, do, cu, chunk_offsets, block_index, Arb, T
         i_t = first + count - 1 - j
         tok = bos + i_t * BT + rows
         m_t = tok < eos
-        if LOGITS:
+        if FORM_W:
             wT = decay_from_logits_t(w, w_bias, tok, i_h, H, K, ck, m_t, m_k, decay_scale)
         else:
             wT = load_w(wf, c0 + i_t, i_h, K, ck, m_k, rows, TT, BT)
@@ -145,7 +146,7 @@ def _bwd_chunk(r, w, w_bias, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, d
                dr, dw, dk, dv, da, db, scale, TT, decay_scale, seg_first, seg_count, seq_chunks,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr, LOGITS: tl.constexpr,
-               BF16: tl.constexpr, PREC: tl.constexpr):
+               FORM_W: tl.constexpr, BF16: tl.constexpr, PREC: tl.constexpr):
     """Token tiles are feature-major and paired: [BK or BV, 2 BT], the chunk's tokens twice along the columns, the
     first BT for one tensor and the next BT for its partner, so that the four pairwise matrices form one
     [2 BT, 2 BT] block matrix dA = [[dA_rb, dA_rk], [dA_ab, dA_ak]] (rows: r then a; columns: b then k). Each
@@ -153,7 +154,8 @@ def _bwd_chunk(r, w, w_bias, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, d
     is bound by the latency of its many small products, not by their arithmetic.
     Program p takes global chunk (p // seg_count) seq_chunks + seg_first + p % seg_count (seq_chunks > 0: segments
     of equal rows of seq_chunks chunks, _bwd_scan's SEGMENT layout; seq_chunks = 0: the chunks from seg_first on)
-    and its dS_C from row p of dh."""
+    and its dS_C from row p of dh. LOGITS: w holds the decay's logits (dw goes through the sigmoid to them); FORM_W:
+    the log decays formed from them (as _bwd_scan's), else read from wf."""
     p = tl.program_id(0)
     i_c = (p // seg_count) * seq_chunks + seg_first + p % seg_count   # the global chunk (h, w by chunk)
     t0, eos = chunk_bounds(cu, chunk_index, i_c, BT)
@@ -173,7 +175,7 @@ def _bwd_chunk(r, w, w_bias, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h, d
 
     # Only k^ = k e^{gC - g} (for dv) is needed inside the V loop besides the paired loads; g and e^{gC - g} are
     # formed again after the loop rather than held through its products (registers: the kernel is at 255).
-    if LOGITS:
+    if FORM_W:
         wT = decay_from_logits_t(w, w_bias, tok, i_h, H, K, ck, m_t, m_k, decay_scale)
     else:
         wT = load_w(wf, i_c, i_h, K, ck, m_k, rows, TT, BT)

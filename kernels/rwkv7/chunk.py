@@ -136,9 +136,19 @@ def _fp32(w_bias: torch.Tensor) -> torch.Tensor:
     return w_bias.float().contiguous()
 
 
+def _forms_w(r, w, w_bias, v, blocked: bool, s: Settings) -> bool:
+    """Whether the backward forms the log decays from their logits (the CUDA scans' LOGITS builds serve the call:
+    bf16 logits, sequence scans), so that the forward keeps no w by chunk; _bwd_chunk then forms them too, and so
+    does the Triton _bwd_scan where the CUDA scan turns a call down. Elsewhere the Triton scans read w by chunk:
+    formed inside their sequential loops it costs more than it saves (2 x 16384 x 20 heads: 4 %). Decided from what
+    a fake tensor has too (the op's outputs are as many either way)."""
+    return (w_bias is not None and w.dtype == torch.bfloat16 and not blocked and s.cuda_scan
+            and scan_cuda.serves(scan_cuda.FORWARD_LOGITS, r, v, s.cuda_products(r)))
+
+
 def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings, need_wf: bool = True):
     """_fwd_prep's launch (prep.cu's where it runs): W and Uv (fp32, for the scans), A_rb, A_rk, A_ak, T (the
-    backward's) and w by chunk (None where need_wf is False and prep.cu runs: scans that form w from the logits)."""
+    backward's) and w by chunk (None where need_wf is False and prep.cu runs: _forms_w)."""
     from kernels.rwkv7.fwd import _fwd_prep
 
     _, T, H, K = r.shape
@@ -167,12 +177,12 @@ def _prep(r, w, w_bias, k, v, a, b, cu, tables, s: Settings, need_wf: bool = Tru
     return W, Uv, Arb, Ark, Aak, Tinv, wf
 
 
-def _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s: Settings):
+def _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, forms_w: bool, s: Settings):
     """What a forward with keep_chunk_tensors=False did not keep, formed again from the inputs and the chunk states:
-    (U, A_rb, A_rk, A_ak, T, w by chunk: None given the logits, which the backward reads instead)."""
+    (U, A_rb, A_rk, A_ak, T, w by chunk: None where the scans form w from the logits)."""
     from kernels.rwkv7.fwd import _chunk_u
 
-    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s, need_wf=w_bias is None)
+    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s, need_wf=not forms_w)
     _, T, H, K = r.shape
     V = v.shape[-1]
     U = torch.empty(1, T, H, V, device=r.device, dtype=kept_dtype(r, s))
@@ -192,14 +202,12 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     N = cu.numel() - 1
     f32 = dict(device=r.device, dtype=torch.float32)
     kept = dict(device=r.device, dtype=kept_dtype(r, s))
-    # the CUDA scan forms w from bf16 logits (then no w by chunk is stored), or reads w by chunk
-    logits = w_bias is not None and w.dtype == torch.bfloat16
+    forms_w = _forms_w(r, w, w_bias, v, blocks is not None, s)   # no w by chunk kept (nor stored for the CUDA scan)
     cuda = (blocks is None and s.cuda_scan
-            and scan_cuda.runs(scan_cuda.forward(logits), r, v, (r, w, k, v, b) if logits else (r, k, v, b),
+            and scan_cuda.runs(scan_cuda.forward(forms_w), r, v, (r, w, k, v, b) if forms_w else (r, k, v, b),
                                s.cuda_products(r)))
-    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s, need_wf=not (cuda and logits))
-    # given the logits, the backward forms w from them: no w by chunk kept
-    wf_kept = wf if w_bias is None else torch.empty(0, **f32)
+    W, Uv, Arb, Ark, Aak, Tinv, wf = _prep(r, w, w_bias, k, v, a, b, cu, tables, s, need_wf=not (forms_w and cuda))
+    wf_kept = torch.empty(0, **f32) if forms_w else wf
     TT = NT * BT
     h = torch.empty(NT, H, K, V, **kept)
     U = torch.empty(1, T, H, V, **kept)
@@ -210,7 +218,7 @@ def _fwd(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, tables, blocks, s: Se
     tensors = (r, wf, k, v, b, cu, chunk_offsets)
     per_chunk = (W, Uv, Arb, Ark, h0, o, h, U, ht)
     if cuda:
-        decay = (w, _fp32(w_bias)) if logits else (wf, None)
+        decay = (w, _fp32(w_bias)) if forms_w else (wf, None)
         scan_cuda.fwd_scan(r, *decay, DECAY_SCALE, k, v, b, cu, chunk_offsets, W, Uv, Arb, Ark, h0, o, h, U, ht, scale,
                            TT)
         return o, ht, (h, U, Arb, Ark, Aak, Tinv, wf_kept, None)
@@ -242,8 +250,9 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
     from kernels.rwkv7.fwd import _block_scan
 
     h, U, Arb, Ark, Aak, Tinv, wf, Mb = saved
+    forms_w = _forms_w(r, w, w_bias, v, blocks is not None, s)   # as the forward decided: it kept no w by chunk
     if not s.keep_chunk_tensors:
-        U, Arb, Ark, Aak, Tinv, wf = _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, s)
+        U, Arb, Ark, Aak, Tinv, wf = _chunk_tensors_again(r, w, w_bias, k, v, a, b, cu, tables, h, forms_w, s)
     chunk_offsets, chunk_index, NT = tables
     _, T, H, K = r.shape
     V = v.shape[-1]
@@ -257,19 +266,20 @@ def _bwd(r, w, w_bias, k, v, a, b, scale, h0, cu, seq_len, saved, tables, blocks
     dv = torch.empty_like(v)
     BV = s.scan_tile(V, N * H)
     TT = NT * BT
-    logits = w_bias is not None   # the backward forms w from its logits (the forward kept no w by chunk)
-    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, LOGITS=logits, PREC=s.prec)
+    scan = dict(H=H, K=K, V=V, BT=BT, BK=BK, L=s.block_chunks, FORM_W=forms_w, PREC=s.prec)
     tensors = (r, w, w_bias, wf, a, b, do, cu, chunk_offsets)
     ops = (r, w, w_bias, wf, k, v, a, b, do, cu, chunk_index, Ark, Aak, h)
     grads = (U, dZ, dr, dw, dk, dv, da, db, scale, TT, DECAY_SCALE)
     per_chunk = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=min(s.chunk_bv, max(16, next_pow2(V))),
-                     LEVELS=BT.bit_length() - 1, LOGITS=logits, BF16=s.bf16(r), PREC=s.prec, num_warps=BWD_WARPS)
+                     LEVELS=BT.bit_length() - 1, LOGITS=w_bias is not None, FORM_W=forms_w, BF16=s.bf16(r),
+                     PREC=s.prec, num_warps=BWD_WARPS)
     C = NT // N if seq_len else 0   # chunks per sequence (equal rows)
     L = max(1, s.bwd_dh_chunks // N)
-    # the CUDA scan reads bf16 logits or w by chunk
-    cuda_w, cuda_bias = (w, _fp32(w_bias)) if logits else (wf, None)
-    cuda = (blocks is None and s.cuda_scan and cuda_w.dtype == (torch.bfloat16 if logits else torch.float32)
-            and scan_cuda.runs(scan_cuda.backward(logits), r, v, (r, cuda_w, a, b, do), s.cuda_products(r)))
+    # the CUDA scan reads the bf16 logits or w by chunk (where do's alignment turns it down, the Triton scan forms w
+    # from the logits as well)
+    cuda_w, cuda_bias = (w, _fp32(w_bias)) if forms_w else (wf, None)
+    cuda = (blocks is None and s.cuda_scan
+            and scan_cuda.runs(scan_cuda.backward(forms_w), r, v, (r, cuda_w, a, b, do), s.cuda_products(r)))
 
     def sequence_scan(dS_end, dh, dS_start, first, count, segment):
         """_bwd_scan's sequence role (in CUDA where it runs): dh and dZ from dS at the sequences' (or segments') ends,
@@ -373,7 +383,7 @@ def _fake_forward(r, w, w_bias, k, v, a, b, scale, h0, want_ht, cu, seq_len, set
                  f32(H, K, NT * BT))
     if not s.keep_chunk_tensors:
         per_chunk = tuple(x.new_empty(0) for x in per_chunk)
-    if w_bias is not None:
+    if _forms_w(r, w, w_bias, v, Mb is not None, s):
         per_chunk = (*per_chunk[:5], per_chunk[5].new_empty(0))
     return (torch.empty_like(v), f32(N, H, K, V) if want_ht else None, kept(NT, H, K, V), *per_chunk, Mb)
 

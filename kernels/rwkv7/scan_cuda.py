@@ -107,14 +107,20 @@ def _kernel(scan: Scan, index: int) -> cuda_rtc.Kernel | None:
         return None
 
 
-def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, products: bool) -> bool:
-    """Whether a CUDA kernel takes a call: bf16 inputs, the products the caller's settings ask for (`products`:
-    Settings.cuda_products), `tensors` (the caller's, which it copies 16 bytes at a time) 16-byte aligned, K = 64, V a
+def serves(scan: Scan, r: torch.Tensor, v: torch.Tensor, products: bool) -> bool:
+    """Whether a CUDA kernel serves calls like this one, whatever their tensors' addresses (so a fake tensor can be
+    asked): bf16 inputs, the products the caller's settings ask for (`products`: Settings.cuda_products), K = 64, V a
     multiple of 64 (the block's columns), on a Hopper GPU or later (sm_90's stmatrix) where the kernel compiles."""
     if not (r.is_cuda and r.dtype == v.dtype == torch.bfloat16 and products and r.shape[-1] == KD
-            and v.shape[-1] % VC == 0 and all(x.data_ptr() % 16 == 0 for x in tensors)):
+            and v.shape[-1] % VC == 0):
         return False
     return scan.kernel(r.device) is not None
+
+
+def runs(scan: Scan, r: torch.Tensor, v: torch.Tensor, tensors: tuple, products: bool) -> bool:
+    """Whether a CUDA kernel takes a call: it serves such calls and `tensors` (the caller's, which it copies 16 bytes
+    at a time) are 16-byte aligned."""
+    return serves(scan, r, v, products) and all(x.data_ptr() % 16 == 0 for x in tensors)
 
 
 def forward(logits: bool) -> Scan:

@@ -149,10 +149,6 @@ def test_forward_keeps_chunk_states_alone(interp):
     per_chunk = slice(1, 7)   # U, A_rb, A_rk, A_ak, T, w by chunk
     assert all(x.numel() > 0 for x in kept[True][per_chunk]) and all(x.numel() == 0 for x in kept[False][per_chunk])
     assert torch.equal(kept[True][0], kept[False][0])   # the chunk states
-    # given the decay's logits, the op keeps no w by chunk: the backward forms w from them
-    z, bias = xs[1].float(), torch.zeros(32)
-    from_logits = _forward_op(xs[0], z, bias, *xs[2:], 1.0, None, False, cu, 40, to_text(Settings(blocked_scan=False)))
-    assert from_logits[2 + 6].numel() == 0 and all(x.numel() > 0 for x in from_logits[2 + 1:2 + 6])
 
 
 def test_blocked_scans_are_chosen_for_few_sequences():
@@ -252,17 +248,21 @@ def test_torch_path_decay_from_logits(T, lens):
 
 
 @pytest.mark.parametrize("T,lens", [(100, None), (None, [1, 17, 64, 9])])
-@pytest.mark.parametrize("scans", ["sequence", "blocked, in groups"])
-def test_triton_interpreter_decay_from_logits(T, lens, scans, interp):
-    # fp32: the log decay formed in _fwd_prep (padded rows stay at w = 0), formed again from the logits by the
-    # backward's scans and _bwd_chunk (sequence scans, or blocked scans of 2 chunks in runs: the op keeps no w by
-    # chunk), and the logits' gradient through the sigmoid in _bwd_chunk, against autograd through the fp64
-    # recurrence; the bias's gradient is their sum over tokens.
-    settings = Settings(blocked_scan=scans != "sequence", block_chunks=2, bwd_dh_chunks=2)
+@pytest.mark.parametrize("w_formed", [False, True])
+def test_triton_interpreter_decay_from_logits(T, lens, w_formed, interp, monkeypatch):
+    # fp32: the log decay formed in _fwd_prep (padded rows stay at w = 0) and the logits' gradient through the sigmoid
+    # in _bwd_chunk, against autograd through the fp64 recurrence; the bias's gradient is their sum over tokens.
+    # w_formed: the op keeps no w by chunk and the backward's _bwd_scan and _bwd_chunk form w from the logits (on a
+    # GPU where the CUDA scans serve the call, chunk._forms_w; the Triton scan where the CUDA one turns a call down),
+    # in segments of 2 chunks.
+    from kernels.rwkv7 import chunk
+
+    if w_formed:
+        monkeypatch.setattr(chunk, "_forms_w", lambda r, w, w_bias, v, blocked, s: w_bias is not None)
     cu = None if lens is None else torch.tensor([0] + lens).cumsum(0)
     xs, z, bias, h0 = rwkv7_logit_inputs(1, T or sum(lens), 1, 32, 64, n_seq=1 if lens is None else len(lens), seed=4)
-    got = run_logits(interp, xs, z, bias, h0, 0.5, cu, settings=settings)
-    common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, f"interpreter, {scans} scans",
+    got = run_logits(interp, xs, z, bias, h0, 0.5, cu, settings=Settings(blocked_scan=False, bwd_dh_chunks=2))
+    common.assert_close(got, logits_reference(xs, z, bias, h0, 0.5, cu), CPU_TOL, f"interpreter, {w_formed=}",
                         LOGIT_NAMES)
 
 
@@ -413,7 +413,8 @@ def test_gpu_cuda_kernels_run_where_built_for():
     from kernels.rwkv7 import scan_cuda
 
     x = torch.zeros(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-    kernels = (scan_cuda.FORWARD, scan_cuda.BACKWARD, scan_cuda.PREP)
+    kernels = (scan_cuda.FORWARD, scan_cuda.FORWARD_LOGITS, scan_cuda.BACKWARD, scan_cuda.BACKWARD_LOGITS,
+               scan_cuda.PREP)
     if torch.cuda.get_device_capability()[0] < 9:
         assert not any(scan_cuda.runs(scan, x, x, (x,), True) or scan.kernel(x.device) for scan in kernels)
         return
@@ -434,19 +435,23 @@ def test_gpu_cuda_kernels_run_where_built_for():
 ])
 def test_gpu_layer_call_takes_the_cuda_kernels(bias_dtype, fields, cuda, monkeypatch):
     # the 0.6B layer's call (bf16 logits; its bias bf16 as FSDP's mixed precision gives it, or fp32) runs every CUDA
-    # kernel in a fwd+bwd (a condition the call misses would otherwise fall back to the Triton kernels unseen), and
-    # settings that ask for other products run none
+    # kernel in a fwd+bwd (a condition the call misses would otherwise fall back to the Triton kernels unseen), the
+    # scans forming w from the logits (their LOGITS builds: given the bias) and prep.cu storing no w by chunk; settings
+    # that ask for other products run none
     from kernels.rwkv7 import scan_cuda
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the CUDA kernels need sm_90")
-    calls = []
+    calls = {}
     for name in ("fwd_prep", "fwd_scan", "bwd_scan"):
         real = getattr(scan_cuda, name)
-        monkeypatch.setattr(scan_cuda, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+        monkeypatch.setattr(scan_cuda, name, lambda *a, _real=real, _name=name: (calls.setdefault(_name, a),
+                                                                                 _real(*a))[1])
     xs, z, bias, _ = rwkv7_logit_inputs(8, 256, 20, 64, 64, device="cuda", dtype=torch.bfloat16, seed=41)
     run_logits(chunk_rwkv7, xs, z, bias.to(bias_dtype), None, 1.0, settings=Settings(**fields))
-    assert set(calls) == ({"fwd_prep", "fwd_scan", "bwd_scan"} if cuda else set()), calls
+    assert set(calls) == ({"fwd_prep", "fwd_scan", "bwd_scan"} if cuda else set()), list(calls)
+    if cuda:   # fwd_scan(r, w, w_bias, ...), bwd_scan(r, w, w_bias, ...), fwd_prep(..., Tinv, wf, ...)
+        assert calls["fwd_scan"][2] is not None and calls["bwd_scan"][2] is not None and calls["fwd_prep"][15] is None
 
 
 @gpu
