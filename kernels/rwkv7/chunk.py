@@ -87,11 +87,11 @@ class Settings:
     """Warps of the forward's block maps."""
     keep_chunk_tensors: bool = True
     """The forward keeps for the backward every per-chunk tensor it forms besides the chunk states h (U, A_rb, A_rk,
-    A_ak, T and w by chunk: 608 bytes per token and head at K = V = 64 in bf16, besides h's 512). False: it keeps h
-    alone (and the blocked scans' block maps) and the backward forms the rest again from the inputs and h, every
-    chunk in parallel (_fwd_prep, then U = W h + Uv): what a layer's op keeps under selective checkpointing drops
-    to 0.46 of it by the tensors' sizes (the 0.6B at 8 x 4096: 734 to 335 MB a layer), for a second _fwd_prep in
-    the backward."""
+    A_ak and T: 352 bytes per token and head at K = V = 64 in bf16, besides h's 512; and w by chunk, 256, where the
+    backward does not form it from the logits: _forms_w). False: it keeps h alone (and the blocked scans' block maps)
+    and the backward forms the rest again from the inputs and h, every chunk in parallel (_fwd_prep, then
+    U = W h + Uv): what a layer's op keeps under selective checkpointing drops to 0.59 of it by the tensors' sizes
+    (the 0.6B at 8 x 4096: 566 to 335 MB a layer), for a second _fwd_prep in the backward."""
     bwd_dh_chunks: int = 1024
     """Over equal rows the backward holds the chunk-end state gradients dh (fp32 K x V per chunk and head: 16 KiB at
     K = V = 64, twice the bf16 chunk state) for about this many chunks at a time instead of all: _bwd_scan and
