@@ -49,7 +49,25 @@ def main():
             print(f"| {kernel} | {r['registers']} | {r['stack']} | {r['shared']} | {r['instructions']} "
                   f"| {r['loop']} | {r['loads_first']} / {r['loads']} |", flush=True)
         if name == "rwkv7":
+            bwd_chunk_forming_w_row(settings.get(name))
             cuda_scan_row()
+
+
+def bwd_chunk_forming_w_row(settings):
+    """_bwd_chunk as the model's calls run it where the CUDA scans serve them: forming the log decays from their
+    logits (chunk._forms_w, which meta tensors, no GPU's, always answer False)."""
+    from unittest import mock
+
+    from kernels import sm90
+    from kernels.ops import OPS
+    from kernels.rwkv7 import chunk
+
+    with mock.patch.object(chunk, "_forms_w", lambda r, w, w_bias, v, blocked, s: w_bias is not None and not blocked):
+        rows = sm90.report(OPS["rwkv7"], "resources", settings)
+    for kernel, r in rows.items():
+        if kernel.startswith("_bwd_chunk") and "FORM_W=True" in kernel:
+            print(f"| {kernel}, where the CUDA scans serve the call | {r['registers']} | {r['stack']} | {r['shared']} "
+                  f"| {r['instructions']} | {r['loop']} | {r['loads_first']} / {r['loads']} |")
 
 
 def cuda_scan_row():
