@@ -41,7 +41,8 @@ class Scan:
 
     def defines(self) -> dict:
         """What the build is given: the shared memory a block is launched with, which the source checks against
-        its Shared (a static_assert: a build where the two disagree fails)."""
+        its Shared (a static_assert: a build where the two disagree fails), and LOGITS (the scans' choice; prep.cu,
+        which always forms w from the logits, ignores it)."""
         return {"SHARED_BYTES": self.shared_bytes, "LOGITS": int(self.logits)}
 
     def resources(self, arch: str = "sm_90") -> dict:
