@@ -123,11 +123,15 @@ def compile_blocks(model: nn.Module) -> None:
     graph's intermediates (a linear's 3-D output beside a view of it, live across a graph break) with
     garbage sizes, and the second run of a config failed ("shape '[94745291249156, 6174690382483291083, 128]' is
     invalid") or segfaulted, on torch 2.11 (H100) and 2.13 (CPU). PyTorch's fix (pytorch#185861, the _unsafe_view
-    ViewMeta serialization) is not in them. Inductor's own FX graph cache stays on.
+    ViewMeta serialization) is not in them. Inductor's own FX graph cache stays on, keyed by our kernels' sources too
+    (flame.compile_cache).
     """
     import torch._functorch.config  # not imported by `import torch`
 
+    from flame.compile_cache import key_inductor_cache_by_kernels
+
     torch._functorch.config.enable_autograd_cache = False
+    key_inductor_cache_by_kernels()
     for block in model.layers:
         block.compile()
 
