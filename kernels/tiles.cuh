@@ -75,6 +75,17 @@ __device__ __forceinline__ int token_major(int t, int key, int S) { return t * S
 // token_chunk: bf16 [16 tokens][64 keys] input tiles copied 16 bytes at a time: rows 8-15 have their key halves
 // swapped (chunk XOR 4), so that the form steps' reads of one key at tokens t and t + 8 land on different banks.
 __device__ __forceinline__ int token_chunk(int t, int key) { return t * 64 + (key ^ ((t & 8) << 2)); }
+// A scan producer's log decays of one key for tokens t0 .. t0 + tok - 1 of a chunk, from its logits tile (token_chunk):
+// every row formed, then rows from rows_left on (past the sequence's end) set to 0 so the sums stay flat; a conditional
+// read would make every element a branch of its own
+template <int tok>
+__device__ __forceinline__ void decays_from_logits(float (&w)[tok], const bf16* z, int t0, int key, float bias,
+                                                   float decay_scale, int rows_left) {
+#pragma unroll
+    for (int i = 0; i < tok; i++) w[i] = log_decay(bf2f(z[token_chunk(t0 + i, key)]), bias, decay_scale);
+#pragma unroll
+    for (int i = 0; i < tok; i++) w[i] = t0 + i < rows_left ? w[i] : 0.f;
+}
 // stage_at: bf16 staging tiles of 16 columns (32-byte rows), the 16-byte halves swapped every 4 rows: stmatrix's 8
 // rows and a quarter-warp's 16-byte reads (4 rows) each hit every bank once.
 __device__ __forceinline__ int stage_at(int row, int half) { return row * 16 + 8 * (half ^ ((row >> 2) & 1)); }

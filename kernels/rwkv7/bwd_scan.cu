@@ -152,12 +152,8 @@ flame_rwkv7_bwd_scan(const bf16* __restrict__ r, const w_t* __restrict__ wf, con
             Formed& f = sh.formed[i & 1];
             float w[TOK];
             bf16 rr[TOK], aa[TOK], bb[TOK];
-#if LOGITS   // every row's w formed, then rows past the sequence's end set to 0 (so the sums stay flat): no branches
-            const int rows_left = eos - bos - (last - i) * BT;
-#pragma unroll
-            for (int j = 0; j < TOK; j++) w[j] = log_decay(bf2f(in.z[token_chunk(t0 + j, key)]), bias, decay_scale);
-#pragma unroll
-            for (int j = 0; j < TOK; j++) w[j] = t0 + j < rows_left ? w[j] : 0.f;
+#if LOGITS
+            decays_from_logits<TOK>(w, in.z, t0, key, bias, decay_scale, eos - bos - (last - i) * BT);
 #else
 #pragma unroll
             for (int j = 0; j < TOK; j += 4) {

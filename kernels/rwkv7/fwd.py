@@ -97,7 +97,7 @@ def _fwd_prep(r, w, w_bias, k, v, a, b, cu, chunk_index, W, Uv, Arb, Ark, Aak, T
     if LOGITS:   # (padded rows and features set to w = 0 again)
         b_w = tl.where(m_t[:, None] & m_k[None, :], log_decay(b_w, bias[None, :], decay_scale), 0.)
     ge = run_sums(b_w, rows, BT, True)   # exclusive cumulative log decays, for W = T (a e^{ge})
-    # w feature-major by chunk, for the scans and _bwd_chunk (load_w)
+    # w feature-major by chunk, for the kernels that read it (load_w)
     tl.store(wf + tl.trans(by_chunk(i_c, i_h, K, ck, rows, TT, BT)), b_w, mask=m_k[None, :])
 
     # Pairwise matrices A_xy[t, s] = sum_k x_tk y_sk exp(gx_tk - g_sk) by halving: at each level, a pair (t, s)

@@ -169,12 +169,8 @@ flame_rwkv7_fwd_scan(const bf16* __restrict__ r, const w_t* __restrict__ wf, con
             Formed& f = sh.formed[c & 1];
             float w[TOK];
             bf16 rr[TOK], kk[TOK], bb[TOK];   // every read issued before the first use
-#if LOGITS   // every row's w formed, then rows past the sequence's end set to 0 (so the sums stay flat): no branches
-            const int rows_left = eos - bos - c * BT;
-#pragma unroll
-            for (int i = 0; i < TOK; i++) w[i] = log_decay(bf2f(in.z[token_chunk(t0 + i, key)]), bias, decay_scale);
-#pragma unroll
-            for (int i = 0; i < TOK; i++) w[i] = t0 + i < rows_left ? w[i] : 0.f;
+#if LOGITS
+            decays_from_logits<TOK>(w, in.z, t0, key, bias, decay_scale, eos - bos - c * BT);
 #else
 #pragma unroll
             for (int i = 0; i < TOK; i += 4) {
